@@ -1,0 +1,66 @@
+"""The engine's settings (given) and the values derived from the model and machine (resolved)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.workers.ops.backend import KERNEL_CHOICES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "half": "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the user chose. Validated here; every bad value is a ValueError naming its field."""
+
+    model: str
+    dtype: str = "auto"  # auto (the checkpoint's dtype; float32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    kernels: str = "auto"  # auto | torch | aiter-triton | aiter
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # default: fits kv_cache_memory_bytes, capped by need
+    kv_cache_memory_bytes: int = 2 << 30
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # prompts longer than this are prefilled in chunks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        object.__setattr__(self, "dtype", dtype)
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_cache_memory_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device={self.device!r} is not a torch device: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedConfig:
+    """Values derived at start-up from the checkpoint and the machine."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    dtype: torch.dtype
+    device: torch.device
+    vocab_size: int
+    eos_token_ids: frozenset[int]

@@ -1,0 +1,177 @@
+"""The engine a worker runs: requests in, one scheduled model step at a time, tokens out.
+
+Used in-process by the offline `tandem.LLM` and, later, behind the worker's gRPC servicer.
+Not thread-safe: one thread drives `step()`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.common.logging import get_logger
+from tandem.common.sampling_params import SamplingParams
+from tandem.workers.engine.block_manager import BlockManager
+from tandem.workers.engine.config import DTYPES, EngineConfig, ResolvedConfig
+from tandem.workers.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tandem.workers.engine.sampler import Sampler
+from tandem.workers.engine.scheduler import Scheduler
+from tandem.workers.engine.sequence import FinishReason, Sequence
+from tandem.workers.engine.stop import check_stop
+from tandem.workers.models.loader import build_model, load_hf_config
+from tandem.workers.ops.backend import resolve_backend
+
+logger = get_logger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.monotonic()
+        hf_config = load_hf_config(config.model)
+        device = config.torch_device()
+        dtype = _resolve_dtype(config.dtype, hf_config, device)
+        max_model_len = _resolve_max_model_len(config.max_model_len, hf_config)
+        backend = resolve_backend(config.kernels, device.type)
+        logger.info("loading %s (%s) on %s as %s, kernels=%s", config.model,
+                    ",".join(hf_config.architectures or []), device, str(dtype).split(".")[-1],
+                    backend.value)
+        torch.manual_seed(config.seed)
+        self.model = build_model(hf_config, config.model, dtype, device, backend)
+        num_kv_blocks = _resolve_num_kv_blocks(config, max_model_len,
+                                               kv_cache_bytes_per_block(self.model,
+                                                                        config.block_size, dtype))
+        self.resolved = ResolvedConfig(
+            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dtype=dtype, device=device,
+            vocab_size=hf_config.vocab_size,
+            eos_token_ids=_eos_token_ids(Path(config.model), hf_config))
+        self.hf_config = hf_config
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
+        self.sampler = Sampler(self.resolved.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
+                    time.monotonic() - started, max_model_len, num_kv_blocks, config.block_size)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        """Queue a request; ValueError (naming the problem) if it can never run."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt is empty")
+        if num_prompt >= self.resolved.max_model_len:
+            raise ValueError(f"prompt has {num_prompt} tokens; max_model_len="
+                             f"{self.resolved.max_model_len} leaves no room to generate")
+        vocab = self.resolved.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(prompt_token_ids, params, request_id)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Sequence]:
+        """Run one model step; returns the sequences that got a token (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        logits = self.runner.run(batch)  # [N, V] for the sampled sequences
+        sampled = [item.seq for item in batch.scheduled if item.is_sampled]
+        output = self.sampler(logits, sampled) if sampled else None
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed_blocks(item.seq)
+        if output is None:
+            return []
+        now = time.monotonic()
+        for seq, token_id, logprob in zip(sampled, output.token_ids, output.logprobs):
+            seq.append_token(token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = check_stop(seq, self.resolved.eos_token_ids, self.resolved.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+        return sampled
+
+
+def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in DTYPES.values() and checkpoint != torch.float32 \
+        else torch.bfloat16
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError("max_model_len is required: config.json has no "
+                             "max_position_embeddings")
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return requested
+
+
+def _resolve_num_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int
+                           ) -> int:
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        # Enough for max_num_seqs full-length sequences, capped by the memory budget.
+        num_blocks = min(config.max_num_seqs * blocks_per_seq,
+                         config.kv_cache_memory_bytes // bytes_per_block)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(f"num_kv_blocks={num_blocks} holds {num_blocks * config.block_size} "
+                         f"tokens, fewer than max_model_len={max_model_len}: one full-length "
+                         "sequence must fit (raise num_kv_blocks / kv_cache_memory_bytes or "
+                         "lower max_model_len)")
+    return num_blocks
+
+
+def _eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json when present (what transformers' generate uses),
+    else from config.json."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    gen_path = model_path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cannot read {gen_path}: {exc}") from exc
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

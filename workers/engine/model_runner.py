@@ -1,0 +1,104 @@
+"""Turns a scheduled batch into model inputs, runs the model, and returns next-token logits.
+
+Owns the paged KV cache tensors (one K and one V tensor per attention layer, bound to the
+layer's Attention op) and nothing about scheduling or sampling policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.common.logging import get_logger
+from tandem.workers.engine.scheduler import SchedulerOutput
+from tandem.workers.ops.attention import Attention, AttentionMetadata
+
+logger = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: the last new token of every sampled sequence
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    per_token = sum(2 * m.num_kv_heads * m.head_dim for m in attention_layers(model))
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_kv_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        layers = attention_layers(model)
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no Attention layers")
+        # [layer][k|v]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in layers:
+            shape = (num_kv_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.bind_kv_cache(k_cache, v_cache)
+            self.kv_caches.append((k_cache, v_cache))
+        total = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        logger.info("KV cache: %d blocks x %d tokens, %d layers, %.1f MB", num_kv_blocks,
+                    block_size, len(layers), total / 1e6)
+
+    def prepare_inputs(self, batch: SchedulerOutput) -> ModelInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for item in batch.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.is_sampled:
+                logits_indices.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(item.seq.block_table) for item in batch.scheduled)
+        tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
+                  for item in batch.scheduled]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            max_query_len=max(item.num_new_tokens for item in batch.scheduled),
+            max_seq_len=max(seq_lens),
+            query_start_loc_host=query_start_loc,
+            seq_lens_host=seq_lens,
+        )
+        return ModelInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
+                           tensor(logits_indices, torch.int64))
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Logits [N, V] (fp32) for the sampled sequences of the batch, in batch order."""
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, D]
+        if inputs.logits_indices.numel() == 0:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.logits_indices]).float()

@@ -1,0 +1,118 @@
+"""A request inside the engine: its tokens, its KV blocks, and where it is in its life."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass
+
+from tandem.common.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks
+    RUNNING = "running"  # holds KV blocks; prefilling (maybe in chunks) or decoding
+    FINISHED = "finished"  # done; its blocks have been freed
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS id or one of the request's stop token ids was sampled
+    LENGTH = "length"  # max_tokens reached, or the sequence filled max_model_len
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one generated token and the top-N alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids (prompt then completion), the block table, and progress counters.
+
+    Invariants kept by the scheduler and the block manager:
+      0 <= num_cached_tokens <= num_computed_tokens <= num_tokens
+      len(block_table) * block_size >= num_computed_tokens while RUNNING; block_table == [] otherwise
+      a decoding sequence has num_computed_tokens == num_tokens - 1 (the last sampled token's KV
+      is written by the next step).
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "status",
+        "block_table", "block_hashes", "num_computed_tokens", "num_cached_tokens",
+        "finish_reason", "logprobs", "generator", "num_preemptions", "num_prefix_hit_tokens",
+        "arrival_time", "first_scheduled_time", "first_token_time", "finished_time",
+    )
+
+    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 request_id: str | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks whose KV is computed, in order; owned by
+        # the block manager (prefix caching), reset whenever the blocks are freed.
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (prefix hits included)
+        self.num_cached_tokens = 0  # of those, tokens found in the prefix cache at allocation
+        self.finish_reason: FinishReason | None = None
+        self.logprobs: list[TokenLogprob] = []  # one per completion token when asked for
+        self.generator = None  # the sampler's per-request torch.Generator, for seeded requests
+        self.num_preemptions = 0
+        # Prompt tokens served from the prefix cache at the latest admission (kept after free).
+        self.num_prefix_hit_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks needed to hold the KV of every token of the sequence."""
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size: (index + 1) * block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

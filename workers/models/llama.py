@@ -1,0 +1,147 @@
+"""Llama family (Llama 2/3/3.1, and the shared skeleton Qwen3 extends).
+
+HF parameter names are kept, except that q/k/v and gate/up are packed into one matmul each
+(`packed_modules_mapping` tells the loader where the checkpoint's tensors go).
+Inputs are explicit: flat token ids [T], their positions [T] and the attention metadata.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.workers.ops.activation import SiluAndMul
+from tandem.workers.ops.attention import Attention, AttentionMetadata
+from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.workers.ops.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                       RowParallelLinear)
+from tandem.workers.ops.norm import RMSNorm
+from tandem.workers.ops.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, backend: KernelBackend) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim,
+                                          config.num_attention_heads, num_kv_heads, bias)
+        self.num_heads = self.qkv_proj.num_heads  # on this TP rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
+                                        config.hidden_size, bias)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                          rope_parameters(config))
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
+                              backend)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # Llama has no QK norm; Qwen3 overrides this.
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: Any, backend: KernelBackend) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add before it.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config: Any, backend: KernelBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(config, backend)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, D]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+    # checkpoint module name -> (our packed module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, backend: KernelBackend = KernelBackend.TORCH) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)  # [T, D]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V]
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,27 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers: normalize in fp32, cast back, then scale.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s)."""
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
