@@ -1,0 +1,77 @@
+"""Tiny transformers models saved as real checkpoints, plus their reference greedy outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 384
+MAX_POS = 512
+
+_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS,
+             initializer_range=0.1, eos_token_id=VOCAB - 1, bos_token_id=0)
+
+# name -> (architecture, config overrides, save_pretrained kwargs)
+CHECKPOINT_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "llama": ("llama", {}, {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}, {}),
+    # Llama 3.1 rope scaling with a short original context so prompts reach the scaled band.
+    "llama_rope3": ("llama", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, "head_dim": 32, "num_attention_heads": 2,
+        "num_key_value_heads": 1}, {}),
+    "llama_sharded": ("llama", {"attention_bias": True}, {"max_shard_size": "100KB"}),
+    "qwen3": ("qwen3", {"head_dim": 32}, {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}, {}),
+}
+
+
+@dataclass
+class TinyCheckpoint:
+    name: str
+    path: Path
+    model: Any  # the transformers model, fp32, eval mode
+    _greedy_cache: dict = field(default_factory=dict)
+
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """transformers' greedy continuation (EOS suppressed so every run is num_tokens long)."""
+        key = (tuple(prompt), num_tokens)
+        if key not in self._greedy_cache:
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens,
+                                          min_new_tokens=num_tokens, do_sample=False)
+            self._greedy_cache[key] = out[0, len(prompt):].tolist()
+        return self._greedy_cache[key]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """transformers' logits at every position: [len, V] fp32."""
+        with torch.no_grad():
+            return self.model(torch.tensor([token_ids])).logits[0].float()
+
+
+def build_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
+    import transformers
+
+    arch, overrides, save_kwargs = CHECKPOINT_VARIANTS[name]
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    torch.manual_seed(sum(map(ord, name)))
+    config = config_cls(**{**_BASE, **overrides})
+    model = model_cls(config).eval()
+    model.save_pretrained(directory, **save_kwargs)
+    return TinyCheckpoint(name, Path(directory), model)
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB - 1) -> list[list[int]]:
+    """Prompts of the given lengths with ids below the EOS id."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+# Eight prompt lengths from 1 to 300 tokens, used by every parity test.
+PARITY_LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
