@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim,
                                         config.hidden_size, bias)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings,
-                                          rope_parameters(config))
+                                          rope_parameters(config), backend=backend)
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
                               backend)
 
@@ -63,15 +63,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
+XX, "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -83,9 +81,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, backend: KernelBackend) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata
@@ -108,7 +106,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(config, backend)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -16,8 +16,8 @@ class Qwen3Attention(LlamaAttention):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen3 with use_sliding_window=True is not supported yet")
         super().__init__(config, backend)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.backend import KernelBackend, require_torch_backend
 
 
 @dataclass(slots=True)
@@ -50,8 +50,7 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}")
-        if backend is not KernelBackend.TORCH:
-            raise ValueError(f"attention backend {backend.value!r} is not available yet")
+        require_torch_backend(backend, "attention")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale

@@ -27,3 +27,10 @@ def resolve_backend(name: str, device_type: str) -> KernelBackend:
     if backend is not KernelBackend.TORCH:
         raise ValueError(f"kernels={name!r} is not available yet on {device_type}; use 'torch'")
     return backend
+
+
+def require_torch_backend(backend: KernelBackend, op: str) -> KernelBackend:
+    """Ops call this at construction until their GPU backends land."""
+    if backend is not KernelBackend.TORCH:
+        raise ValueError(f"{op}: kernel backend {backend.value!r} is not implemented yet")
+    return backend

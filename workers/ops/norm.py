@@ -4,10 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
+        self.backend = require_torch_backend(backend, "rms_norm")
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The rope settings of an HF config as one dict with `rope_type` and `rope_theta`.
@@ -65,8 +67,10 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, max_position: int, params: dict[str, Any],
-                 rotary_dim: int | None = None) -> None:
+                 rotary_dim: int | None = None,
+                 backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
+        self.backend = require_torch_backend(backend, "rotary_embedding")
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         if self.rotary_dim % 2 or self.rotary_dim > head_dim:
