@@ -54,7 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
-        self.sampler = Sampler(self.resolved.eos_token_ids)
+        self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}
         logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
                     time.monotonic() - started, max_model_len, num_kv_blocks, config.block_size)

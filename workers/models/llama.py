@@ -63,7 +63,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-XX, "silu") != "silu":
+    def __init__(self, config: Any, backend: KernelBackend) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
