@@ -1,0 +1,476 @@
+"""BlockManager: unit tests of the allocation contract, then a stateful property test."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tandem.common.sampling_params import SamplingParams
+from tandem.workers.engine import block_manager as block_manager_module
+from tandem.workers.engine.block_manager import BlockManager, compute_block_hash
+from tandem.workers.engine.sequence import Sequence, SequenceStatus
+
+
+def make_seq(token_ids) -> Sequence:
+    return Sequence(list(token_ids), SamplingParams())
+
+
+def compute_all(bm: BlockManager, seq: Sequence) -> None:
+    """Stand-in for a model step that writes the KV of every token of the sequence."""
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_computed_blocks(seq)
+
+
+def allocate_succeeds(bm: BlockManager, seq: Sequence) -> bool:
+    try:
+        bm.allocate(seq)
+    except RuntimeError:
+        return False
+    return True
+
+
+# -- compute_block_hash ------------------------------------------------------------------------
+
+def test_block_hash_is_chained_and_pinned():
+    h0 = compute_block_hash(None, [1, 2, 3, 4])
+    # Pinned: the value must not depend on the process (PYTHONHASHSEED) or the Python version.
+    assert h0 == compute_block_hash(None, (1, 2, 3, 4)) == 0x7E962A1CDA153C0C
+    assert 0 <= h0 < 2**64
+    assert compute_block_hash(h0, [5, 6, 7, 8]) != compute_block_hash(None, [5, 6, 7, 8])
+    assert compute_block_hash(0, [1, 2, 3, 4]) != h0  # parent hash 0 is not "no parent"
+    assert compute_block_hash(None, [1, 2, 3, 5]) != h0
+
+
+# -- construction ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_blocks=0, block_size=4), "num_blocks"),
+    (dict(num_blocks=4, block_size=0), "block_size"),
+    (dict(num_blocks=4.0, block_size=4), "num_blocks"),
+])
+def test_bad_constructor_args_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        BlockManager(**kwargs)
+
+
+# -- allocate / free ---------------------------------------------------------------------------
+
+def test_allocate_free_round_trip():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    seq = make_seq(range(10))  # 3 blocks, the last one partial
+    assert bm.can_allocate(seq)
+    bm.allocate(seq)
+    assert len(seq.block_table) == 3
+    assert seq.num_computed_tokens == seq.num_cached_tokens == 0
+    assert bm.num_free_blocks == 7
+    assert bm.usage == pytest.approx(0.3)
+    bm.check_invariants([seq])
+
+    compute_all(bm, seq)
+    bm.free(seq)
+    assert seq.block_table == [] and seq.block_hashes == []
+    assert seq.num_computed_tokens == seq.num_cached_tokens == 0
+    assert bm.num_free_blocks == 10 and bm.usage == 0.0
+    bm.check_invariants([])
+    bm.free(seq)  # an empty table: no-op
+    assert bm.num_free_blocks == 10
+
+
+def test_allocate_twice_raises():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = make_seq(range(3))
+    bm.allocate(seq)
+    with pytest.raises(RuntimeError):
+        bm.allocate(seq)
+
+
+def test_out_of_blocks_raises_and_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    big = make_seq(range(9))  # needs 3 blocks
+    assert not bm.can_allocate(big)
+    with pytest.raises(RuntimeError, match="free blocks"):
+        bm.allocate(big)
+    assert big.block_table == [] and bm.num_free_blocks == 2
+
+    seq = make_seq(range(8))  # exactly 2 blocks
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    seq.append_token(0)
+    assert not bm.can_append_slots(seq, 1)
+    with pytest.raises(RuntimeError, match="free blocks"):
+        bm.append_slots(seq, 1)
+    assert len(seq.block_table) == 2
+    bm.check_invariants([seq])
+
+
+# -- prefix caching ----------------------------------------------------------------------------
+
+def test_prefix_hit_after_blocks_are_computed():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert len(a.block_hashes) == 2  # the partial third block is never hashed
+
+    b = make_seq([*range(8), 99, 98, 97])
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] not in a.block_table
+    assert b.num_cached_tokens == b.num_computed_tokens == 8
+    assert b.block_hashes == a.block_hashes
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    bm.check_invariants([a, b])
+
+    c = make_seq([0, 1, 2, 3, 42, 5, 6, 7, 8])  # shares only the first block
+    bm.allocate(c)
+    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1]
+    assert c.num_cached_tokens == 4
+    bm.check_invariants([a, b, c])
+
+
+def test_no_hit_before_blocks_are_computed():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    b = make_seq(range(10))
+    bm.allocate(b)  # a's KV is not written yet: nothing to share
+    assert b.num_cached_tokens == 0 and not set(a.block_table) & set(b.block_table)
+
+    a.num_computed_tokens = 6  # a chunk: only the first block is full and computed
+    bm.cache_computed_blocks(a)
+    assert len(a.block_hashes) == 1
+    c = make_seq(range(10))
+    bm.allocate(c)
+    assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0]
+    assert c.block_table[1] != a.block_table[1]
+    bm.check_invariants([a, b, c])
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = make_seq(range(8))  # exactly two full blocks
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert len(a.block_hashes) == 2
+
+    b = make_seq(range(8))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 and b.num_uncomputed_tokens == 4
+    assert b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+
+    c = make_seq(range(9))  # one more token: both full blocks may hit
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8 and c.block_table[:2] == a.block_table
+    bm.check_invariants([a, b, c])
+
+
+def test_hit_on_freed_block_that_keeps_its_hash():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    compute_all(bm, a)
+    a_blocks = list(a.block_table)
+    bm.free(a)
+    assert bm.num_free_blocks == 6
+    assert bm.blocks[a_blocks[0]].hash is not None  # freed, but still findable
+
+    b = make_seq([*range(8), 50, 51, 52, 53, 54])  # 4 blocks, 2 of them hits with ref_count 0
+    bm.allocate(b)
+    assert b.block_table[:2] == a_blocks[:2] and b.num_cached_tokens == 8
+    assert bm.num_free_blocks == 2  # the hits left the free pool too
+    bm.check_invariants([b])
+
+
+def test_hash_collision_is_not_a_hit(monkeypatch):
+    # Every block hashes alike, so only the token check can tell blocks apart.
+    monkeypatch.setattr(block_manager_module, "compute_block_hash", lambda prev, tokens: 42)
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert bm.hash_to_block_id == {42: a.block_table[0]}
+
+    b = make_seq([9, 9, 9, 9, 9, 9])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.block_table[0] != a.block_table[0]
+    bm.check_invariants([a, b])
+
+
+def test_duplicate_block_computed_twice_keeps_first_map_entry():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = make_seq(range(9)), make_seq(range(9))
+    bm.allocate(a)
+    bm.allocate(b)  # both prefill the same prompt in one step
+    compute_all(bm, a)
+    compute_all(bm, b)
+    assert a.block_hashes == b.block_hashes
+    for block_hash, block_id in zip(a.block_hashes, a.block_table):
+        assert bm.hash_to_block_id[block_hash] == block_id
+    assert bm.blocks[b.block_table[0]].hash == a.block_hashes[0]
+    bm.check_invariants([a, b])
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+
+
+def test_least_recently_freed_block_is_evicted_first_and_leaves_the_map():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2, 3, 4, 5])  # blocks [0, 1, 2]; 0 and 1 get hashed
+    bm.allocate(a)
+    compute_all(bm, a)
+    first, second, tail = a.block_table
+    bm.free(a)  # pool order now: 3, tail, second, first
+    assert list(bm.free_block_ids) == [3, tail, second, first]
+
+    filler = make_seq([9, 9, 9])  # takes 3 and a's partial tail block
+    bm.allocate(filler)
+    assert filler.block_table == [3, tail]
+    other = make_seq([8])  # takes a's second block, evicting its hash
+    bm.allocate(other)
+    assert other.block_table == [second]
+    assert bm.blocks[second].hash is None and len(bm.hash_to_block_id) == 1
+
+    again = make_seq([1, 2, 3, 4, 5])
+    assert bm.can_allocate(again) is False  # 3 blocks, one a ref-0 hit: needs 3, 1 free
+    bm.free(filler)
+    bm.allocate(again)
+    assert again.num_cached_tokens == 2 and again.block_table[0] == first
+    bm.check_invariants([other, again])
+
+
+def test_can_allocate_is_exact_with_ref0_and_live_hits():
+    bm = BlockManager(num_blocks=5, block_size=4)
+    a = make_seq(range(9))  # 3 blocks, 2 hashed
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)  # pool: 3, 4, then a's blocks
+    holder = make_seq([70])
+    bm.allocate(holder)  # takes block 3
+    filler = make_seq([71])
+    bm.allocate(filler)  # takes block 4; 3 free blocks left, two of them a's hashed ones
+    b = make_seq([*range(8), 60, 61, 62, 63, 64])  # 4 blocks: 2 ref-0 hits + 2 fresh
+    # fresh blocks alone (2) would fit in 3 free; the ref-0 hits need the pool too.
+    assert bm.can_allocate(b) is False
+    assert allocate_succeeds(bm, b) is False
+
+    bm.free(filler)  # 4 free now
+    assert bm.can_allocate(b) is True
+    assert allocate_succeeds(bm, b) is True
+    assert bm.num_free_blocks == 0
+
+    # b holds the prefix now: a hit on a live block costs no free block.
+    c = make_seq([*range(8), 1])  # 3 blocks: 2 live hits + 1 fresh, with 0 free
+    assert bm.can_allocate(c) is False and allocate_succeeds(bm, c) is False
+    bm.free(b)
+    bm.allocate(b2 := make_seq([*range(8), 5]))
+    assert b2.num_cached_tokens == 8
+    assert bm.num_free_blocks == 1
+    assert bm.can_allocate(c) is True and allocate_succeeds(bm, c) is True
+    assert bm.num_free_blocks == 0
+    bm.check_invariants([holder, b2, c])
+
+
+def test_append_slots_crosses_block_boundary():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    seq = make_seq(range(4))  # one full block
+    bm.allocate(seq)
+    compute_all(bm, seq)
+    for step in range(5):
+        seq.append_token(100 + step)  # decode: num_computed == num_tokens - 1
+        free_before = bm.num_free_blocks
+        assert bm.can_append_slots(seq, 1)
+        bm.append_slots(seq, 1)
+        crossed = seq.num_tokens in (5, 9)
+        assert bm.num_free_blocks == free_before - crossed
+        assert len(seq.block_table) * 4 >= seq.num_tokens
+        compute_all(bm, seq)
+        bm.check_invariants([seq])
+    assert len(seq.block_table) == 3 and len(seq.block_hashes) == 2
+    assert bm.can_append_slots(seq, 4) and not bm.can_append_slots(seq, 9)
+
+
+# -- counters and the disabled mode ------------------------------------------------------------
+
+def test_counters_are_in_tokens():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (8, 0)
+    compute_all(bm, a)
+    bm.allocate(make_seq(range(10)))
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (16, 8)
+    bm.allocate(make_seq(range(4)))  # (4 - 1) // 4 == 0 blocks looked up
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (16, 8)
+    bm.can_allocate(make_seq(range(10)))  # asking is not a query
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (16, 8)
+
+
+def test_disabled_prefix_caching_never_hits():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    a = make_seq(range(10))
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert a.block_hashes == [] and bm.hash_to_block_id == {}
+    bm.free(a)
+    b = make_seq(range(10))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.num_computed_tokens == 0
+    assert bm.prefix_cache_queries == bm.prefix_cache_hits == 0
+    bm.check_invariants([b])
+
+
+# -- stateful property test --------------------------------------------------------------------
+
+# A pool this small (16 token slots) is often nearly full, where the accounting is tightest;
+# the longest prompts do not fit at all and stay waiting until aborted.
+NUM_BLOCKS, BLOCK_SIZE, VOCAB = 8, 2, 2
+# Prompts are a piece of one of two shared stems plus a random tail from a tiny vocab, so
+# requests often share prefixes (system-prompt style) and sometimes diverge mid-block.
+STEMS = ((0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1), (1, 1, 0, 0, 1, 0, 1, 1))
+prompts = st.builds(
+    lambda stem, num_stem, tail: [*stem[:num_stem], *tail],
+    st.sampled_from(STEMS), st.integers(0, 12),
+    st.lists(st.integers(0, VOCAB - 1), max_size=6),
+).filter(bool)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random scheduler-like traffic against a small pool, with a shadow of the KV contents.
+
+    The shadow maps each (block, slot) to the token prefix whose KV it holds, so a prefix hit
+    can be checked against what was actually "computed" there.
+    """
+
+    enable_prefix_caching = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE, self.enable_prefix_caching)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def _slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
+        return seq.block_table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        assert seq.block_table == [] and seq.block_hashes == []
+        assert seq.num_computed_tokens == seq.num_cached_tokens == 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _compute(self, seq: Sequence, num_new: int) -> None:
+        """A model step over seq's next num_new tokens: write their KV, then cache full blocks."""
+        start = seq.num_computed_tokens
+        assert len(seq.block_table) * BLOCK_SIZE >= start + num_new
+        for pos in range(start, start + num_new):
+            block = self.bm.blocks[seq.block_table[pos // BLOCK_SIZE]]
+            # Writing KV into a shared or findable block would corrupt another request's cache.
+            assert block.ref_count == 1 and block.hash is None
+            self.kv[self._slot(seq, pos)] = tuple(seq.token_ids[: pos + 1])
+        seq.num_computed_tokens += num_new
+        self.bm.cache_computed_blocks(seq)
+        expected = seq.num_computed_tokens // BLOCK_SIZE if self.enable_prefix_caching else 0
+        assert len(seq.block_hashes) == expected
+
+    @precondition(lambda self: len(self.waiting) + len(self.running) < 8)
+    @rule(prompt=prompts)
+    def add(self, prompt):
+        self.waiting.append(make_seq(prompt))
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def allocate(self, data):
+        seq = data.draw(st.sampled_from(self.waiting))
+        num_free = self.bm.num_free_blocks
+        if not self.bm.can_allocate(seq):
+            with pytest.raises(RuntimeError):
+                self.bm.allocate(seq)
+            assert seq.block_table == [] and self.bm.num_free_blocks == num_free
+            return
+        self.bm.allocate(seq)  # must not raise: can_allocate said yes
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        assert len(seq.block_table) == seq.num_blocks(BLOCK_SIZE)
+        assert seq.num_cached_tokens == seq.num_computed_tokens < seq.num_tokens
+        assert len(seq.block_hashes) * BLOCK_SIZE == seq.num_cached_tokens
+        for pos in range(seq.num_cached_tokens):  # a hit serves exactly the KV computed there
+            assert self.kv[self._slot(seq, pos)] == tuple(seq.token_ids[: pos + 1])
+
+    @precondition(lambda self: any(s.num_uncomputed_tokens > 1 for s in self.running))
+    @rule(data=st.data())
+    def prefill_chunk(self, data):
+        seq = data.draw(st.sampled_from([s for s in self.running if s.num_uncomputed_tokens > 1]))
+        self._compute(seq, data.draw(st.integers(1, seq.num_uncomputed_tokens - 1)))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, VOCAB - 1))
+    def step_and_sample(self, data, token):
+        """Compute the rest of a running seq (its last prefill chunk, or one decode token), sample
+        a token, and make room for it; preempt the seq when no block is free."""
+        seq = data.draw(st.sampled_from(self.running))
+        self._compute(seq, seq.num_uncomputed_tokens)
+        seq.append_token(token)
+        if self.bm.can_append_slots(seq, 1):
+            self.bm.append_slots(seq, 1)
+            assert len(seq.block_table) * BLOCK_SIZE >= seq.num_tokens
+        else:
+            with pytest.raises(RuntimeError):
+                self.bm.append_slots(seq, 1)
+            self._preempt(seq)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self._preempt(data.draw(st.sampled_from(self.running)))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data):
+        seq = data.draw(st.sampled_from(self.running))
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def abort_waiting(self, data):
+        seq = data.draw(st.sampled_from(self.waiting))
+        self.waiting.remove(seq)
+        self.bm.free(seq)  # holds no blocks: a no-op
+
+    @invariant()
+    def accounting_holds(self):
+        self.bm.check_invariants(self.running)
+        held = {block_id for seq in self.running for block_id in seq.block_table}
+        assert self.bm.num_free_blocks + len(held) == NUM_BLOCKS
+        assert all(seq.block_table == [] for seq in self.waiting)
+        assert 0 <= self.bm.prefix_cache_hits <= self.bm.prefix_cache_queries
+        if not self.enable_prefix_caching:
+            assert self.bm.hash_to_block_id == {} and self.bm.prefix_cache_queries == 0
+
+    def teardown(self):
+        for seq in list(self.running):
+            self._release(seq)
+        assert self.bm.num_free_blocks == NUM_BLOCKS
+        assert all(block.ref_count == 0 for block in self.bm.blocks)
+        self.bm.check_invariants([])
+
+
+class NoPrefixCachingMachine(BlockManagerMachine):
+    enable_prefix_caching = False
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None)
+NoPrefixCachingMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=50, deadline=None)
+TestBlockManagerStateful = BlockManagerMachine.TestCase
+TestNoPrefixCachingStateful = NoPrefixCachingMachine.TestCase

@@ -1,0 +1,234 @@
+"""Paged KV-cache block accounting with prefix caching. Plain Python: no torch, no I/O."""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
+
+from tandem.workers.engine.sequence import Sequence
+
+
+def compute_block_hash(prev_hash: int | None, token_ids: SequenceABC[int]) -> int:
+    """Chained hash of one full block: depends on the block's tokens and on every block before it.
+
+    Stable across processes and machines (blake2b over a fixed little-endian encoding), unlike
+    Python's salted hash(). prev_hash is None for a sequence's first block.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    # A one-byte tag keeps "no parent" distinct from a parent whose hash happens to be 0.
+    h.update(b"\x00" if prev_hash is None else b"\x01" + prev_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    """One physical KV block. hash/token_ids are set only once the block's KV is computed."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0  # live sequences whose block_table holds this block
+        self.hash: int | None = None  # chained hash of its full, computed contents
+        self.token_ids: tuple[int, ...] | None = None  # kept to verify hits (hash collisions)
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_count}, hash={self.hash})"
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to sequences, sharing computed prefix blocks between them.
+
+    A sequence's block_table maps its token positions to physical blocks (block_size=4)::
+
+        tokens       t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
+        block_table  [    7      ,     2       ,    11     ]
+        block_hashes [   h0      ,  h1=H(h0,.) ]             <- full blocks whose KV is computed
+
+    Invariants (check_invariants asserts them):
+      * a block is in the free pool  <=>  its ref_count == 0;
+      * ref_count == number of live sequences whose block_table holds the block;
+      * hash_to_block_id[h] == b  =>  blocks[b].hash == h, and b's KV is computed. Freed blocks
+        keep their hash, so they stay hittable until the pool hands them out again.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Ordered set of block ids with ref_count 0, least recently freed first: fresh blocks are
+        # taken from the front, freed blocks go to the back, a prefix hit removes from anywhere.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one live sequence."""
+        return 1.0 - len(self.free_block_ids) / self.num_blocks
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Exactly whether allocate(seq) would succeed now."""
+        hit_block_ids, _ = self._find_cached_prefix(seq)
+        return self._num_blocks_to_allocate(seq, hit_block_ids) <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing computed prefix blocks."""
+        if seq.block_table:
+            raise RuntimeError(f"allocate: {seq} already holds blocks")
+        hit_block_ids, hit_hashes = self._find_cached_prefix(seq)
+        num_needed = self._num_blocks_to_allocate(seq, hit_block_ids)
+        if num_needed > len(self.free_block_ids):
+            raise RuntimeError(f"allocate: {seq} needs {num_needed} free blocks, "
+                               f"only {len(self.free_block_ids)} are free")
+        if self.enable_prefix_caching:
+            num_lookup_blocks = (seq.num_tokens - 1) // self.block_size
+            self.prefix_cache_queries += num_lookup_blocks * self.block_size
+            self.prefix_cache_hits += len(hit_block_ids) * self.block_size
+        # Take the hits first: they must leave the free pool before any fresh block is popped.
+        for block_id in hit_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        num_fresh = seq.num_blocks(self.block_size) - len(hit_block_ids)
+        seq.block_table = hit_block_ids + [self._take_free_block() for _ in range(num_fresh)]
+        seq.block_hashes = hit_hashes
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hit_block_ids) * self.block_size
+
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the table can grow to hold num_computed_tokens + num_new_tokens slots."""
+        return self._num_missing_blocks(seq, num_new_tokens) <= len(self.free_block_ids)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table to hold num_computed_tokens + num_new_tokens slots."""
+        num_missing = self._num_missing_blocks(seq, num_new_tokens)
+        if num_missing > len(self.free_block_ids):
+            raise RuntimeError(f"append_slots: {seq} needs {num_missing} free blocks, "
+                               f"only {len(self.free_block_ids)} are free")
+        seq.block_table.extend(self._take_free_block() for _ in range(num_missing))
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's newly computed full blocks findable by later prefix lookups."""
+        if not self.enable_prefix_caching:
+            return
+        num_computed_full = seq.num_computed_tokens // self.block_size
+        for index in range(len(seq.block_hashes), num_computed_full):
+            prev_hash = seq.block_hashes[-1] if seq.block_hashes else None
+            token_ids = tuple(seq.block_token_ids(index, self.block_size))
+            block_hash = compute_block_hash(prev_hash, token_ids)
+            block = self.blocks[seq.block_table[index]]
+            block.hash, block.token_ids = block_hash, token_ids
+            seq.block_hashes.append(block_hash)
+            # Another sequence may have computed the same block in this step: keep its entry.
+            self.hash_to_block_id.setdefault(block_hash, block.block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks. The one free path: finish, preempt and abort call it."""
+        if not seq.block_table:
+            return
+        # Reverse order puts a sequence's tail blocks nearer the front of the pool, so they are
+        # reused (evicted) before its prefix blocks, which other requests are likelier to hit.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1 if block_id != seq.block_table[0] or block.ref_count == 1 else 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None  # keeps its hash: still hittable
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _find_cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Block ids and hashes of the seq's leading blocks found in the cache (no side effects).
+
+        Only the first (num_tokens - 1) // block_size blocks are looked up, so at least one token
+        is always left to compute and the model step produces logits for it.
+        """
+        hit_block_ids: list[int] = []
+        hit_hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return hit_block_ids, hit_hashes
+        prev_hash = None
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            token_ids = tuple(seq.block_token_ids(index, self.block_size))
+            block_hash = compute_block_hash(prev_hash, token_ids)
+            block_id = self.hash_to_block_id.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break  # a miss (or a hash collision) ends the shared prefix
+            hit_block_ids.append(block_id)
+            hit_hashes.append(block_hash)
+            prev_hash = block_hash
+        return hit_block_ids, hit_hashes
+
+    def _num_blocks_to_allocate(self, seq: Sequence, hit_block_ids: list[int]) -> int:
+        """Free-pool blocks allocate() takes: the fresh ones plus hits now sitting in the pool."""
+        num_fresh = seq.num_blocks(self.block_size) - len(hit_block_ids)
+        num_hits_in_pool = sum(1 for b in hit_block_ids if self.blocks[b].ref_count == 0)
+        return num_fresh + num_hits_in_pool
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        num_slots = seq.num_computed_tokens + num_new_tokens
+        num_blocks_needed = (num_slots + self.block_size - 1) // self.block_size
+        return max(0, num_blocks_needed - len(seq.block_table))
+
+    def _take_free_block(self) -> int:
+        """Pop the least recently freed block, evicting whatever cached prefix it still held."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            # The map may point at a duplicate holding the same contents; leave that entry alone.
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    # -- checking --------------------------------------------------------------------------
+
+    def check_invariants(self, live_seqs: Iterable[Sequence]) -> None:
+        """Assert the accounting invariants given every sequence that currently holds blocks."""
+        ref_counts = [0] * self.num_blocks
+        for seq in live_seqs:
+            table = seq.block_table
+            assert len(set(table)) == len(table), f"{seq} holds a block twice"
+            assert len(table) * self.block_size >= seq.num_computed_tokens, \
+                f"{seq}: block table shorter than its computed tokens"
+            assert len(seq.block_hashes) <= seq.num_computed_tokens // self.block_size, \
+                f"{seq}: hashes for blocks whose KV is not computed"
+            for index, block_id in enumerate(table):
+                ref_counts[block_id] += 1
+                block = self.blocks[block_id]
+                if index < len(seq.block_hashes):
+                    assert block.hash == seq.block_hashes[index], \
+                        f"{seq}: block {block_id} lost hash {seq.block_hashes[index]}"
+                else:  # not computed (or not yet cached) by this seq: must not be findable
+                    assert block.hash is None, f"{seq}: uncomputed block {block_id} has a hash"
+        for block in self.blocks:
+            is_free = block.block_id in self.free_block_ids
+            assert is_free == (block.ref_count == 0), \
+                f"{block}: in free pool={is_free} disagrees with its ref_count"
+            assert block.ref_count == ref_counts[block.block_id], \
+                f"{block}: ref_count != {ref_counts[block.block_id]} live holders"
+            assert (block.hash is None) == (block.token_ids is None), f"{block}: half-set hash"
+        for block_hash, block_id in self.hash_to_block_id.items():
+            assert self.blocks[block_id].hash == block_hash, \
+                f"hash {block_hash} maps to {self.blocks[block_id]}, whose hash differs"
