@@ -28,6 +28,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # prompts longer than this are prefilled in chunks
     seed: int = 0
+    # A prefill worker frees pinned KV that no decode worker released within this many seconds.
+    kv_lease_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -42,6 +44,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if not self.kv_lease_seconds > 0:
+            raise ValueError(f"kv_lease_seconds={self.kv_lease_seconds} must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
 

@@ -17,9 +17,9 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import DTYPES, EngineConfig, ResolvedConfig
 from tandem.workers.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
-from tandem.workers.engine.sampler import Sampler
+from tandem.workers.engine.sampler import Sampler, advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
-from tandem.workers.engine.sequence import FinishReason, Sequence
+from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
 from tandem.workers.models.loader import build_model, load_hf_config
 from tandem.workers.ops.backend import resolve_backend
@@ -55,13 +55,21 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
+        self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
+        self.num_expired_leases = 0
         logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
                     time.monotonic() - started, max_model_len, num_kv_blocks, config.block_size)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Sequence:
-        """Queue a request; ValueError (naming the problem) if it can never run."""
+                    request_id: str | None = None, *, pin_after_prefill: bool = False
+                    ) -> Sequence:
+        """Queue a request; ValueError (naming the problem) if it can never run.
+
+        With pin_after_prefill the request stops after its first token and, unless that token
+        finished it, keeps its prompt's KV blocks (status PINNED) until `release` or a lease
+        expiry: a decode worker pulls them meanwhile.
+        """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("prompt is empty")
@@ -75,17 +83,73 @@ class LLMEngine:
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, request_id)
+        seq.pin_after_prefill = pin_after_prefill
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        """Stop a request wherever it is (queued, running, pinned, receiving KV) and free its
+        blocks; False if it is unknown or already finished."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        self.pinned.pop(request_id, None)
         self.scheduler.finish(seq, FinishReason.ABORT)
         return True
+
+    # -- disaggregation: the prefill side pins, the decode side receives ----------------------
+
+    def release(self, request_id: str) -> bool:
+        """Unpin a prefilled request's blocks (its decode worker has them now)."""
+        if request_id not in self.pinned:
+            return False
+        del self.pinned[request_id]
+        seq = self.requests.pop(request_id)
+        self.scheduler.finish(seq, FinishReason.STOP)
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free pinned requests whose lease deadline passed; returns their ids."""
+        expired = [rid for rid, deadline in self.pinned.items() if deadline <= now]
+        for request_id in expired:
+            self.release(request_id)
+        self.num_expired_leases += len(expired)
+        return expired
+
+    def reserve_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                          params: SamplingParams, request_id: str) -> Sequence | None:
+        """Allocate blocks for a request prefilled elsewhere, so its KV can be written into them.
+
+        Returns None when the blocks are not free now (retry later). The sequence is outside
+        the scheduler (status RECEIVING) until `activate_prefilled`; its leading
+        `seq.num_cached_tokens` tokens were found in the local prefix cache and need no pull.
+        """
+        if not generated_token_ids:
+            raise ValueError("a prefilled request needs its first generated token")
+        seq = self.add_request(prompt_token_ids, params, request_id)
+        self.scheduler.waiting.remove(seq)
+        seq.token_ids.extend(generated_token_ids)
+        if not self.block_manager.can_allocate(seq):
+            self.requests.pop(seq.request_id)
+            return None
+        self.block_manager.allocate(seq)
+        seq.num_prefix_hit_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RECEIVING
+        advance_request_generator(seq, len(generated_token_ids), self.resolved.vocab_size,
+                                  self.resolved.device)
+        return seq
+
+    def activate_prefilled(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The KV of the first num_computed_tokens tokens is in seq's blocks: start decoding."""
+        if seq.status is not SequenceStatus.RECEIVING:
+            raise RuntimeError(f"activate_prefilled: {seq} is not receiving")
+        if not seq.num_cached_tokens <= num_computed_tokens < seq.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside "
+                             f"[{seq.num_cached_tokens}, {seq.num_tokens})")
+        seq.num_computed_tokens = num_computed_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        self.scheduler.admit_running(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -117,6 +181,9 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
+            elif seq.pin_after_prefill:
+                self.scheduler.pin(seq)
+                self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
         return sampled
 
 

@@ -263,3 +263,14 @@ def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def advance_request_generator(seq: Sequence, num_steps: int, vocab_size: int,
+                              device: torch.device) -> None:
+    """Consume the draws num_steps earlier random steps made, so a seeded request continued on
+    another worker (after a prefill elsewhere) draws what it would have drawn in one engine."""
+    if seq.sampling_params.seed is None or seq.sampling_params.is_greedy:
+        return
+    generator = _request_generator(seq, device)
+    for _ in range(num_steps):
+        torch.empty(vocab_size, device=device).exponential_(generator=generator)

@@ -117,6 +117,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def pin(self, seq: Sequence) -> None:
+        """Take a prefilled sequence out of scheduling, keeping its blocks (PINNED)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PINNED
+
+    def admit_running(self, seq: Sequence) -> None:
+        """Add a sequence that already holds blocks with computed KV (received from a peer)."""
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence wherever it is (running, waiting) and frees its blocks."""
         self.block_manager.free(seq)

@@ -13,6 +13,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV blocks
     RUNNING = "running"  # holds KV blocks; prefilling (maybe in chunks) or decoding
     FINISHED = "finished"  # done; its blocks have been freed
+    PINNED = "pinned"  # prefill done; blocks kept (outside the scheduler) for a decode worker
+    RECEIVING = "receiving"  # blocks allocated (outside the scheduler); KV arriving from a peer
 
 
 class FinishReason(str, enum.Enum):
@@ -48,6 +50,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "status",
         "block_table", "block_hashes", "num_computed_tokens", "num_cached_tokens",
         "finish_reason", "logprobs", "generator", "num_preemptions", "num_prefix_hit_tokens",
+        "pin_after_prefill",
         "arrival_time", "first_scheduled_time", "first_token_time", "finished_time",
     )
 
@@ -73,6 +76,8 @@ class Sequence:
         self.num_preemptions = 0
         # Prompt tokens served from the prefix cache at the latest admission (kept after free).
         self.num_prefix_hit_tokens = 0
+        # Prefill-worker requests: after the first token, keep the blocks for a decode worker.
+        self.pin_after_prefill = False
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
