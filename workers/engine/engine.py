@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
@@ -74,14 +75,15 @@ class LLMEngine:
         if num_prompt == 0:
             raise ValueError("prompt is empty")
         if num_prompt >= self.resolved.max_model_len:
-            raise ValueError(f"prompt has {num_prompt} tokens; max_model_len="
+            raise OutOfRangeError(f"prompt has {num_prompt} tokens; max_model_len="
                              f"{self.resolved.max_model_len} leaves no room to generate")
         vocab = self.resolved.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise OutOfRangeError(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
         if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, request_id)
         seq.pin_after_prefill = pin_after_prefill
         self.requests[seq.request_id] = seq

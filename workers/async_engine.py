@@ -1,0 +1,151 @@
+"""Runs an LLMEngine on its own thread and connects it to asyncio code.
+
+The event loop never runs model code. asyncio code talks to the engine thread two ways:
+  * `await call(fn)`: run fn(engine) on the engine thread between two steps (adding, aborting,
+    releasing requests; reading state). Commands are the only way engine state is touched.
+  * `open_stream(request_id)`: an asyncio.Queue that receives a TokenEvent for each token of
+    that request, in order; the last one has finish_reason set (or is_pinned on a prefill).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tandem.common.logging import get_logger
+from tandem.workers.engine.engine import LLMEngine
+from tandem.workers.engine.sequence import (FinishReason, Sequence, SequenceStatus,
+                                            TokenLogprob)
+
+logger = get_logger(__name__)
+T = TypeVar("T")
+# How often an idle engine thread wakes to expire KV leases.
+IDLE_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    token_id: int
+    logprob: TokenLogprob | None
+    finish_reason: FinishReason | None  # set on the request's last token
+    is_pinned: bool  # prefill requests: the prompt's KV is pinned for a decode worker
+    num_cached_tokens: int
+    queue_seconds: float  # arrival -> first scheduled
+    compute_seconds: float  # first scheduled -> this token
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """Delivered to every open stream when a step raised: the requests are gone."""
+
+    message: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(None)  # wake the thread
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._run_commands(block=not engine.has_unfinished)
+            expired = engine.expire_leases(time.monotonic())
+            if expired:
+                logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
+                               ", ".join(expired))
+            if not engine.has_unfinished:
+                continue
+            try:
+                updated = engine.step()
+            except Exception as exc:  # a failed step must not leave streams hanging
+                logger.exception("engine step failed; aborting all requests")
+                self._fail_all(f"engine step failed: {exc}")
+                continue
+            if updated:
+                events = [(seq.request_id, _event(seq)) for seq in updated]
+                self._loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=IDLE_POLL_SECONDS) if block \
+                else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as exc:  # delivered to the awaiting coroutine
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self._loop.call_soon_threadsafe(self._broadcast, EngineFailure(message))
+
+    # -- event loop ------------------------------------------------------------------------
+
+    def _dispatch(self, events: list[tuple[str, TokenEvent]]) -> None:
+        for request_id, event in events:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(event)
+
+    def _broadcast(self, failure: EngineFailure) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(failure)
+
+
+def _event(seq: Sequence) -> TokenEvent:
+    now = time.monotonic()
+    scheduled = seq.first_scheduled_time or seq.arrival_time
+    return TokenEvent(
+        token_id=seq.token_ids[-1],
+        logprob=seq.logprobs[-1] if seq.sampling_params.logprobs is not None and seq.logprobs
+        else None,
+        finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
+        is_pinned=seq.status is SequenceStatus.PINNED,
+        num_cached_tokens=seq.num_prefix_hit_tokens,
+        queue_seconds=scheduled - seq.arrival_time,
+        compute_seconds=now - scheduled)

@@ -1,0 +1,86 @@
+"""The `grpc` KV transfer backend: the prefill worker serves its pinned blocks over a gRPC
+stream (KVTransfer service); the decode worker pulls them into blocks it reserved."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.kv.block_payload import PayloadWriter, iter_payload_chunks
+from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+
+logger = get_logger(__name__)
+
+
+class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
+    """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
+
+    def __init__(self, engine: AsyncEngine, layout: KVLayout) -> None:
+        self.engine = engine
+        self.layout = layout
+
+    async def PullKV(self, request, context):
+        try:
+            layout_from_proto(request.expected_layout).check_readable_by(self.layout)
+        except KVLayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        handle_id = request.handle_id
+        # Renew the lease while the pull runs, and snapshot the block ids.
+        block_ids = await self.engine.call(lambda e: _renew_and_get_blocks(e, handle_id))
+        if block_ids is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"KV handle {handle_id!r} is unknown or its lease expired")
+        if not 0 <= request.start_block <= len(block_ids):
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"start_block={request.start_block} outside [0, "
+                                f"{len(block_ids)}]")
+        kv_caches = self.engine.engine.runner.kv_caches
+        for layer, kv_index, offset, data in iter_payload_chunks(
+                kv_caches, block_ids[request.start_block:]):
+            yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
+                                            data=data)
+
+    async def ReleaseKV(self, request, context):
+        found = await self.engine.call(lambda e: e.release(request.handle_id))
+        return worker_pb2.ReleaseKVResponse(found=found)
+
+
+def _renew_and_get_blocks(engine, handle_id: str) -> list[int] | None:
+    if handle_id not in engine.pinned:
+        return None
+    engine.pinned[handle_id] = max(engine.pinned[handle_id],
+                                   time.monotonic() + engine.config.kv_lease_seconds)
+    seq = engine.requests[handle_id]
+    num_prompt_blocks = -(-seq.num_computed_tokens // engine.config.block_size)
+    return list(seq.block_table[:num_prompt_blocks])
+
+
+async def pull_kv(channel: grpc.aio.Channel, handle: worker_pb2.KVHandle, local: KVLayout,
+                  kv_caches, block_ids: list[int], start_block: int,
+                  timeout: float | None) -> int:
+    """Pull blocks [start_block, handle.num_blocks) of a handle into block_ids (the receiver's
+    blocks for those positions). Returns the bytes received. Raises grpc.aio.AioRpcError or
+    ValueError (incomplete transfer)."""
+    stub = worker_pb2_grpc.KVTransferStub(channel)
+    writer = PayloadWriter(kv_caches, block_ids)
+    request = worker_pb2.PullKVRequest(handle_id=handle.handle_id, start_block=start_block,
+                                       expected_layout=layout_to_proto(local))
+    async for chunk in stub.PullKV(request, timeout=timeout):
+        writer.write(chunk.layer, chunk.kv_index, chunk.offset, chunk.data)
+    writer.check_complete()
+    return writer.num_bytes
+
+
+async def release_kv(channel: grpc.aio.Channel, handle_id: str, timeout: float = 5.0) -> bool:
+    """Best effort: an unreleased handle is freed by its lease anyway."""
+    try:
+        response = await worker_pb2_grpc.KVTransferStub(channel).ReleaseKV(
+            worker_pb2.ReleaseKVRequest(handle_id=handle_id), timeout=timeout)
+        return response.found
+    except grpc.aio.AioRpcError as exc:
+        logger.warning("ReleaseKV %s failed: %s", handle_id, exc.code().name)
+        return False

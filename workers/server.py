@@ -1,0 +1,117 @@
+"""The worker process: `tandem worker --role prefill|decode|both --model PATH --port N`.
+
+Loads the model, then serves Worker + KVTransfer + grpc.health.v1 + reflection on one port.
+SIGTERM/SIGINT: health turns NOT_SERVING, in-flight calls get `--shutdown-grace-seconds` to
+finish, then the engine thread stops.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.workers.async_engine import AsyncEngine
+from tandem.workers.engine.config import EngineConfig
+from tandem.workers.kv.grpc_backend import KVTransferServicer
+from tandem.workers.kv.layout import KVLayout
+from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
+
+logger = get_logger("tandem.worker")
+SERVICE_NAMES = (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+                 worker_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem worker", description=__doc__.splitlines()[0])
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--model", required=True, help="HF checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-lease-seconds", type=float, default=30.0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_lease_seconds=args.kv_lease_seconds,
+        enable_prefix_caching=not args.no_prefix_caching)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
+
+    config = engine_config(args)
+    engine = await asyncio.to_thread(LLMEngine, config)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    address = f"{args.host}:{args.port}"
+    layout = KVLayout.from_kv_caches(engine.runner.kv_caches)
+    peers = PeerChannels()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(async_engine, args.role, Path(args.model).name, address, layout, peers),
+        server)
+    worker_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(async_engine, layout),
+                                                     server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"tandem worker: cannot listen on {address}")
+    await server.start()
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s worker serving %s on %s", args.role, args.model, address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
+                args.shutdown_grace_seconds)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(args.shutdown_grace_seconds)
+    await async_engine.stop()
+    await peers.close()
+    logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except ValueError as exc:  # bad flags or a bad checkpoint: say which, exit non-zero
+        print(f"tandem worker: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The Worker gRPC service: converts between protobuf and engine types, nothing more.
+
+Every request runs as one handler task; aborting a request cancels that task first, so no
+coroutine writes into KV blocks after the engine has freed them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+
+from tandem.common.convert import (engine_params_from_proto, finish_reason_to_proto,
+                                   layout_from_proto, layout_to_proto, logprob_to_proto)
+from tandem.common.errors import AlreadyExistsError, OutOfRangeError
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.workers.kv.grpc_backend import pull_kv, release_kv
+from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+
+logger = get_logger(__name__)
+ROLES = ("prefill", "decode", "both")
+# How long a decode request waits for free KV blocks before RESOURCE_EXHAUSTED.
+MAX_BLOCK_WAIT_SECONDS = 30.0
+
+
+class PeerChannels:
+    """One shared channel per peer worker address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine, role: str, model_name: str, address: str,
+                 layout: KVLayout, peers: PeerChannels) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
+        self.engine = engine
+        self.role = role
+        self.model_name = model_name
+        self.address = address
+        self.layout = layout
+        self.peers = peers
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    async def Prefill(self, request, context):
+        await self._require_role(context, "prefill")
+        params = await self._params(request.params, context)
+        request_id = request.request_id
+        stream = self._begin(request_id)
+        try:
+            await self._add(context, list(request.prompt_token_ids), params, request_id,
+                            pin_after_prefill=request.keep_kv)
+            event = await self._next_event(stream, context)
+            response = worker_pb2.PrefillResponse(
+                token_id=event.token_id, finish_reason=finish_reason_to_proto(
+                    event.finish_reason.value if event.finish_reason else None),
+                num_cached_tokens=event.num_cached_tokens, queue_seconds=event.queue_seconds,
+                compute_seconds=event.compute_seconds)
+            if event.logprob is not None:
+                response.logprob.CopyFrom(logprob_to_proto(event.logprob))
+            if event.is_pinned:
+                response.kv_handle.CopyFrom(self._handle(request_id,
+                                                         len(request.prompt_token_ids)))
+            return response
+        except asyncio.CancelledError:
+            await self.engine.call(lambda e: e.abort(request_id))
+            raise
+        finally:
+            self._end(request_id)
+
+    async def Decode(self, request, context):
+        await self._require_role(context, "decode")
+        params = await self._params(request.params, context)
+        request_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        generated = list(request.generated_token_ids)
+        stream = self._begin(request_id)
+        finished = False
+        try:
+            pull_seconds = 0.0
+            if request.HasField("kv_handle"):
+                pull_seconds = await self._receive_kv(request, params, prompt, generated, context)
+            else:  # compute the prompt (and any tokens generated elsewhere) here
+                if generated:
+                    params = dataclasses.replace(
+                        params, max_tokens=params.max_tokens - len(generated),
+                        min_tokens=max(0, params.min_tokens - len(generated)))
+                await self._add(context, prompt + generated, params, request_id)
+            is_first = True
+            while not finished:
+                events = await self._next_events(stream, context)
+                finished = events[-1].finish_reason is not None
+                response = worker_pb2.DecodeResponse(
+                    token_ids=[e.token_id for e in events],
+                    logprobs=[logprob_to_proto(e.logprob) for e in events if e.logprob],
+                    finish_reason=finish_reason_to_proto(
+                        events[-1].finish_reason.value if finished else None))
+                if is_first:
+                    response.num_cached_tokens = events[0].num_cached_tokens
+                    response.kv_pull_seconds = pull_seconds
+                    is_first = False
+                yield response
+        finally:
+            if not finished:  # cancelled, failed, or the client went away
+                await self.engine.call(lambda e: e.abort(request_id))
+            self._end(request_id)
+
+    async def Abort(self, request, context):
+        task = self._tasks.get(request.request_id)
+        if task is not None:
+            task.cancel()  # its handler aborts the request once it stops touching KV
+            return worker_pb2.AbortResponse(found=True)
+        found = await self.engine.call(lambda e: e.abort(request.request_id))
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        engine = self.engine.engine  # plain reads of counters; no need to wait for a step
+        manager = engine.block_manager
+        return worker_pb2.GetLoadResponse(
+            role=self.role, num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting), kv_usage=manager.usage,
+            num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
+            model=self.model_name)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _begin(self, request_id: str) -> asyncio.Queue:
+        self._tasks[request_id] = asyncio.current_task()
+        return self.engine.open_stream(request_id)
+
+    def _end(self, request_id: str) -> None:
+        self._tasks.pop(request_id, None)
+        self.engine.close_stream(request_id)
+
+    async def _require_role(self, context, needed: str) -> None:
+        if self.role not in (needed, "both"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker's role is {self.role}; it does not {needed}")
+
+    @staticmethod
+    async def _params(message, context):
+        try:
+            return engine_params_from_proto(message)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _add(self, context, token_ids, params, request_id, **kwargs) -> None:
+        try:
+            await self.engine.call(lambda e: e.add_request(token_ids, params, request_id,
+                                                           **kwargs))
+        except OutOfRangeError as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except AlreadyExistsError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _next_event(self, stream: asyncio.Queue, context) -> TokenEvent:
+        event = await stream.get()
+        if isinstance(event, EngineFailure):
+            await context.abort(grpc.StatusCode.INTERNAL, event.message)
+        return event
+
+    async def _next_events(self, stream: asyncio.Queue, context) -> list[TokenEvent]:
+        """The next event and any already queued behind it (a slow reader gets them batched)."""
+        events = [await self._next_event(stream, context)]
+        while not stream.empty() and events[-1].finish_reason is None:
+            events.append(await self._next_event(stream, context))
+        return events
+
+    def _handle(self, request_id: str, num_tokens: int) -> worker_pb2.KVHandle:
+        lease = self.engine.engine.config.kv_lease_seconds
+        return worker_pb2.KVHandle(
+            handle_id=request_id, backend="grpc", source_address=self.address,
+            layout=layout_to_proto(self.layout), num_tokens=num_tokens,
+            num_blocks=-(-num_tokens // self.layout.block_size),
+            lease_expires_at=time.time() + lease)
+
+    async def _receive_kv(self, request, params, prompt, generated, context) -> float:
+        """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
+        and start decoding. Returns the seconds the pull took."""
+        handle = request.kv_handle
+        if handle.backend != "grpc":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV backend {handle.backend!r} is not available here")
+        try:
+            layout_from_proto(handle.layout).check_readable_by(self.layout)
+        except KVLayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        seq = await self._reserve(context, prompt, generated, params, request.request_id)
+        start_block = seq.num_cached_tokens // self.layout.block_size
+        block_ids = seq.block_table[start_block:handle.num_blocks]
+        channel = self.peers.get(handle.source_address)
+        started = time.monotonic()
+        try:
+            await pull_kv(channel, handle, self.layout, self.engine.engine.runner.kv_caches,
+                          block_ids, start_block, timeout=context.time_remaining())
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            await self.engine.call(lambda e: e.abort(request.request_id))
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"KV pull from {handle.source_address} failed: {detail}")
+        seconds = time.monotonic() - started
+        await release_kv(channel, handle.handle_id)
+        await self.engine.call(lambda e: e.activate_prefilled(seq, handle.num_tokens))
+        return seconds
+
+    async def _reserve(self, context, prompt, generated, params, request_id):
+        deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS
+        while True:
+            try:
+                seq = await self.engine.call(
+                    lambda e: e.reserve_prefilled(prompt, generated, params, request_id))
+            except OutOfRangeError as exc:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+            if seq is not None:
+                return seq
+            if time.monotonic() > deadline:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"no free KV blocks for {len(prompt)} tokens within "
+                                    f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
+            await asyncio.sleep(0.01)
