@@ -64,7 +64,41 @@ def build_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
     config = config_cls(**{**_BASE, **overrides})
     model = model_cls(config).eval()
     model.save_pretrained(directory, **save_kwargs)
+    save_tiny_tokenizer(Path(directory))
     return TinyCheckpoint(name, Path(directory), model)
+
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
+    "Tandem serves language models: a router, prefill workers and decode workers.",
+    "Unicode too: héllo wörld, naïve café, 世界你好, emoji 🤖🚀✨, Ελληνικά, русский.",
+    "def generate(prompt, max_tokens=16):\n    return model(prompt)[:max_tokens]\n",
+] * 8
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def save_tiny_tokenizer(directory: Path) -> None:
+    """A real byte-level BPE tokenizer with exactly VOCAB ids: <|bos|> = 0, <|eos|> = VOCAB-1
+    (the tiny configs' ids), trained deterministically on a small corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, special_tokens=["<|bos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    fillers = [f"<|unused{i}|>" for i in range(VOCAB - 1 - tokenizer.get_vocab_size())]
+    tokenizer.add_tokens(fillers)
+    tokenizer.add_special_tokens(["<|eos|>"])
+    assert tokenizer.token_to_id("<|eos|>") == VOCAB - 1, tokenizer.get_vocab_size()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>",
+                                   eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB - 1) -> list[list[int]]:

@@ -1,0 +1,204 @@
+"""One request's trip through the workers: prefill on P, decode on D (or both on one
+aggregated worker), relaying tokens to the client as chunks.
+
+Whatever ends the call early (client cancel, deadline, a stop string, a worker failure), every
+worker the request reached gets an explicit Abort: closing a stream alone is not relied on.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.common.convert import engine_params_to_proto, finish_reason_from_proto
+from tandem.common.logging import get_logger
+from tandem.common.sampling_params import SamplingParams
+from tandem.router.output import OutputAssembler
+from tandem.router.validation import RequestError
+from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
+from tandem.v1 import generate_pb2, worker_pb2
+
+logger = get_logger(__name__)
+ABORT_TIMEOUT_SECONDS = 2.0
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                   grpc.StatusCode.FAILED_PRECONDITION}
+_background: set[asyncio.Task] = set()  # keeps fire-and-forget aborts alive
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_strings: list[str]
+    arrival: float
+    queue_seconds: float
+
+
+class RequestFlow:
+    def __init__(self, pool: WorkerPool, tokenizer, request: RequestContext, context) -> None:
+        self.pool = pool
+        self.request = request
+        self.context = context
+        self.output = OutputAssembler(tokenizer, request.prompt_token_ids, request.stop_strings)
+        self.reached: list[WorkerEndpoint] = []
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_cached_tokens = 0
+        self.prefill_queue_seconds = 0.0
+        self.prefill_compute_seconds = 0.0
+
+    async def responses(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        is_done_on_workers = False
+        try:
+            if self.pool.healthy("prefill") and self.pool.healthy("decode"):
+                stream = self._disaggregated()
+            elif self.pool.healthy("both"):
+                stream = self._aggregated()
+            else:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   "no healthy workers: need a prefill and a decode worker, "
+                                   "or an aggregated (both) worker")
+            finish_reason = None
+            async for token_ids, logprobs, finish_reason in stream:
+                chunk = self._add(token_ids, logprobs)
+                if chunk is not None:
+                    yield generate_pb2.GenerateResponse(chunk=chunk)
+                if self.output.matched_stop is not None:
+                    finish_reason = "stop"
+                    break
+            else:
+                is_done_on_workers = True
+            tail = self.output.finish()
+            if tail is not None:
+                yield generate_pb2.GenerateResponse(chunk=tail)
+            yield generate_pb2.GenerateResponse(complete=self._complete(finish_reason))
+        finally:
+            if not is_done_on_workers:
+                self._abort_everywhere()
+
+    def _add(self, token_ids: list[int], logprobs) -> generate_pb2.Chunk | None:
+        now = time.monotonic()
+        if self.first_token_time is None and token_ids:
+            self.first_token_time = now
+        if token_ids:
+            self.last_token_time = now
+        return self.output.add(token_ids, logprobs)
+
+    async def _disaggregated(self):
+        prefill = self._pick("prefill")
+        params = engine_params_to_proto(self.request.params)
+        prefill.num_in_flight += 1
+        try:
+            reply = await self._call(prefill, prefill.stub.Prefill(worker_pb2.PrefillRequest(
+                request_id=self.request.request_id,
+                prompt_token_ids=self.request.prompt_token_ids, params=params, keep_kv=True),
+                timeout=self.context.time_remaining()))
+        finally:
+            prefill.num_in_flight -= 1
+        self.num_cached_tokens = reply.num_cached_tokens
+        self.prefill_queue_seconds = reply.queue_seconds
+        self.prefill_compute_seconds = reply.compute_seconds
+        finish = finish_reason_from_proto(reply.finish_reason)
+        yield [reply.token_id], [reply.logprob] if reply.HasField("logprob") else [], finish
+        if finish is not None:
+            return
+        decode = self._pick("decode")
+        call = decode.stub.Decode(worker_pb2.DecodeRequest(
+            request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+            generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle),
+            timeout=self.context.time_remaining())
+        async for item in self._relay(decode, call):
+            yield item
+
+    async def _aggregated(self):
+        worker = self._pick("both")
+        call = worker.stub.Decode(worker_pb2.DecodeRequest(
+            request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+            params=engine_params_to_proto(self.request.params)),
+            timeout=self.context.time_remaining())
+        async for item in self._relay(worker, call):
+            yield item
+
+    async def _relay(self, worker: WorkerEndpoint, call):
+        worker.num_in_flight += 1
+        try:
+            is_first = True
+            while True:
+                message = await self._call(worker, call.read())
+                if message is grpc.aio.EOF:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"{worker.role} worker {worker.address} ended the stream "
+                                       "without finishing the request")
+                if is_first and worker.role == "both":
+                    self.num_cached_tokens = message.num_cached_tokens
+                is_first = False
+                finish = finish_reason_from_proto(message.finish_reason)
+                yield list(message.token_ids), list(message.logprobs), finish
+                if finish is not None:
+                    return
+        finally:
+            worker.num_in_flight -= 1
+            call.cancel()
+
+    def _pick(self, role: str) -> WorkerEndpoint:
+        worker = self.pool.pick(role)
+        if worker is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
+        self.reached.append(worker)
+        return worker
+
+    async def _call(self, worker: WorkerEndpoint, awaitable):
+        try:
+            return await awaitable
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _PASSED_THROUGH:
+                raise RequestError(code, exc.details() or code.name) from exc
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.UNKNOWN):
+                self.pool.mark_failed(worker, f"{code.name}: {exc.details()}")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"{worker.role} worker {worker.address} failed: {code.name}: "
+                               f"{exc.details()}") from exc
+
+    def _abort_everywhere(self) -> None:
+        for worker in self.reached:
+            task = asyncio.ensure_future(worker.stub.Abort(
+                worker_pb2.AbortRequest(request_id=self.request.request_id),
+                timeout=ABORT_TIMEOUT_SECONDS))
+            _background.add(task)
+            task.add_done_callback(_finish_abort)
+
+    def _complete(self, finish_reason: str | None) -> generate_pb2.Complete:
+        now = time.monotonic()
+        arrival = self.request.arrival
+        num_tokens = len(self.output.token_ids)
+        first = self.first_token_time or now
+        tpot = (self.last_token_time - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
+        return generate_pb2.Complete(
+            request_id=self.request.request_id,
+            finish_reason={"stop": generate_pb2.FINISH_REASON_STOP,
+                           "length": generate_pb2.FINISH_REASON_LENGTH,
+                           "abort": generate_pb2.FINISH_REASON_ABORT}.get(
+                               finish_reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
+            matched_stop=self.output.matched_stop or "",
+            usage=generate_pb2.Usage(prompt_tokens=len(self.request.prompt_token_ids),
+                                     completion_tokens=num_tokens,
+                                     cached_prompt_tokens=self.num_cached_tokens),
+            timings=generate_pb2.Timings(
+                queue_seconds=self.request.queue_seconds,
+                time_to_first_token_seconds=first - arrival,
+                time_per_output_token_seconds=tpot, e2e_seconds=now - arrival,
+                prefill_queue_seconds=self.prefill_queue_seconds,
+                prefill_compute_seconds=self.prefill_compute_seconds))
+
+
+def _finish_abort(task: asyncio.Task) -> None:
+    _background.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("abort failed: %s", task.exception())

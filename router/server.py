@@ -1,0 +1,97 @@
+"""The router process: `tandem router --model PATH --prefill HOST:PORT --decode HOST:PORT`.
+
+Serves tandem.v1.Generate + grpc.health.v1 + reflection. SIGTERM/SIGINT: health turns
+NOT_SERVING and new calls get UNAVAILABLE at once; in-flight streams get
+--shutdown-grace-seconds to finish.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.common.logging import get_logger
+from tandem.router.admission import Admission
+from tandem.router.servicer import GenerateServicer
+from tandem.router.tokenization import ModelFrontend
+from tandem.router.worker_pool import WorkerPool
+from tandem.v1 import generate_pb2, generate_pb2_grpc
+
+logger = get_logger("tandem.router")
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+
+
+def _addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()] if value else []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="HF folder (tokenizer, chat template, limits)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--prefill", type=_addresses, default=[], help="host:port[,host:port...]")
+    p.add_argument("--decode", type=_addresses, default=[], help="host:port[,host:port...]")
+    p.add_argument("--both", type=_addresses, default=[],
+                   help="aggregated (--role both) workers, host:port[,...]")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-concurrency", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--health-check-interval", type=float, default=1.0)
+    p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    frontend = await asyncio.to_thread(ModelFrontend, args.model, args.max_model_len)
+    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval)
+    await pool.start()
+    servicer = GenerateServicer(frontend, pool,
+                                Admission(args.max_concurrency, args.max_queue))
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{args.host}:{args.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"tandem router: cannot listen on {address}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("router serving %s on %s; workers: %s", frontend.limits.name, address,
+                ", ".join(f"{w.role}={w.address}" for w in pool.workers))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: NOT_SERVING; in-flight streams get %.0f s",
+                args.shutdown_grace_seconds)
+    servicer.is_draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(args.shutdown_grace_seconds)
+    await pool.close()
+    frontend.close()
+    logger.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except ValueError as exc:
+        print(f"tandem router: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Checks a GenerateRequest before any worker sees it. Every failure names the field.
+
+Two phases: `check_request` needs only the message (cheap, on the event loop);
+`resolve_params` needs the prompt's length, known after tokenization.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.v1 import generate_pb2
+
+DEFAULT_MAX_TOKENS = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+# SamplingParams field -> the request field a client set.
+_FIELD_PATHS = {"max_tokens": "stop.max_tokens", "min_tokens": "stop.min_tokens",
+                "stop_token_ids": "stop.stop_token_ids", "logprobs": "logprobs"}
+
+
+class RequestError(Exception):
+    """A bad request: becomes a gRPC status with this code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    name: str
+    vocab_size: int
+    max_model_len: int
+    has_chat_template: bool
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) -> None:
+    """Everything that can be checked before tokenization."""
+    if request.model and request.model != limits.name:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"model={request.model!r} is not served here (serving "
+                           f"{limits.name!r})")
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise _invalid("prompt: one of text, token_ids or chat is required")
+    if kind == "text" and not request.text:
+        raise _invalid("text: the prompt is empty")
+    if kind == "token_ids":
+        ids = request.token_ids.ids
+        if not ids:
+            raise _invalid("token_ids.ids: the prompt is empty")
+        for i, token in enumerate(ids):
+            if not 0 <= token < limits.vocab_size:
+                raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                                   f"token_ids.ids[{i}]={token} is outside the vocabulary "
+                                   f"[0, {limits.vocab_size})")
+    if kind == "chat":
+        _check_chat(request.chat, limits)
+    stop = request.stop
+    if len(stop.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"stop.stop: at most {MAX_STOP_STRINGS} stop strings")
+    for i, text in enumerate(stop.stop):
+        if not text:
+            raise _invalid(f"stop.stop[{i}] is empty")
+    for i, token in enumerate(stop.stop_token_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"stop.stop_token_ids[{i}]={token} is outside the vocabulary "
+                               f"[0, {limits.vocab_size})")
+    if stop.HasField("max_tokens") and stop.max_tokens < 1:
+        raise _invalid(f"stop.max_tokens={stop.max_tokens} must be >= 1")
+    if request.HasField("logprobs") and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise _invalid(f"logprobs={request.logprobs} must be in [0, {MAX_LOGPROBS}]")
+    for field, value in request.sampling.ListFields():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _invalid(f"sampling.{field.name}={value} must be a finite number")
+
+
+def _check_chat(chat: generate_pb2.ChatMessages, limits: ModelLimits) -> None:
+    if not limits.has_chat_template:
+        raise _invalid(f"chat: model {limits.name!r} has no chat template; send text or "
+                       "token_ids")
+    if not chat.messages:
+        raise _invalid("chat.messages: at least one message is required")
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise _invalid(f"chat.messages[{i}].role={message.role!r} is not one of "
+                           f"{', '.join(CHAT_ROLES)}")
+
+
+def resolve_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int,
+                   limits: ModelLimits) -> SamplingParams:
+    """The engine parameters, given the tokenized prompt's length."""
+    room = limits.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                           f"prompt has {num_prompt_tokens} tokens; max_model_len="
+                           f"{limits.max_model_len} leaves no room to generate")
+    stop, sampling = request.stop, request.sampling
+    max_tokens = min(stop.max_tokens if stop.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+                     room)
+    values = {"max_tokens": max_tokens,
+              "min_tokens": min(stop.min_tokens, max_tokens) if stop.min_tokens >= 0
+              else stop.min_tokens,
+              "stop_token_ids": tuple(stop.stop_token_ids), "ignore_eos": stop.ignore_eos,
+              "logprobs": request.logprobs if request.HasField("logprobs") else None}
+    for field, value in sampling.ListFields():
+        values[field.name] = value
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:  # "SamplingParams.top_p=1.5 must be in (0, 1]"
+        message = str(exc)
+        match = re.match(r"SamplingParams\.(\w+)", message)
+        if match:
+            name = match.group(1)
+            message = _FIELD_PATHS.get(name, f"sampling.{name}") + message[match.end():]
+        raise _invalid(message) from exc

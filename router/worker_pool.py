@@ -1,0 +1,103 @@
+"""The router's view of its workers: addresses by role, health, load, in-flight counts.
+
+A background task checks every worker each `check_interval` seconds (grpc.health.v1 Check,
+then GetLoad). A worker that fails a check, or whose RPC fails with UNAVAILABLE, leaves the
+pool at once; it rejoins when a check succeeds again. Transitions are logged.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+logger = get_logger(__name__)
+CHECK_TIMEOUT_SECONDS = 1.0
+
+
+@dataclass(eq=False)
+class WorkerEndpoint:
+    address: str
+    role: str  # prefill | decode | both
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    health_stub: health_pb2_grpc.HealthStub
+    is_healthy: bool = False
+    num_in_flight: int = 0  # requests this router has on the worker now
+    load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
+    last_error: str = "not checked yet"
+
+    @property
+    def score(self) -> tuple[float, float]:
+        """Lower is better: requests in flight here (the live signal), then KV usage."""
+        return (self.num_in_flight + self.load.num_waiting, self.load.kv_usage)
+
+
+class WorkerPool:
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str],
+                 check_interval: float = 1.0) -> None:
+        self.check_interval = check_interval
+        self.workers: list[WorkerEndpoint] = []
+        for role, addresses in (("prefill", prefill), ("decode", decode), ("both", both)):
+            for address in addresses:
+                channel = grpc.aio.insecure_channel(
+                    address, options=[("grpc.max_receive_message_length", 64 << 20)])
+                self.workers.append(WorkerEndpoint(
+                    address, role, channel, worker_pb2_grpc.WorkerStub(channel),
+                    health_pb2_grpc.HealthStub(channel)))
+        if not self.workers:
+            raise ValueError("no workers given: pass --prefill and --decode, or --both")
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._check_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for worker in self.workers:
+            await worker.channel.close()
+
+    def healthy(self, role: str) -> list[WorkerEndpoint]:
+        return [w for w in self.workers if w.role == role and w.is_healthy]
+
+    def pick(self, role: str) -> WorkerEndpoint | None:
+        """The least loaded healthy worker of a role (load-aware; prefix affinity comes later)."""
+        candidates = self.healthy(role)
+        return min(candidates, key=lambda w: w.score) if candidates else None
+
+    def mark_failed(self, worker: WorkerEndpoint, reason: str) -> None:
+        if worker.is_healthy:
+            logger.warning("%s worker %s left the pool: %s", worker.role, worker.address, reason)
+        worker.is_healthy = False
+        worker.last_error = reason
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.workers))
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval)
+            await self.check_all()
+
+    async def _check(self, worker: WorkerEndpoint) -> None:
+        try:
+            reply = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=""),
+                                                   timeout=CHECK_TIMEOUT_SECONDS)
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                raise RuntimeError(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+            worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
+                                                    timeout=CHECK_TIMEOUT_SECONDS)
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self.mark_failed(worker, reason)
+            return
+        if not worker.is_healthy:
+            logger.info("%s worker %s joined the pool", worker.role, worker.address)
+        worker.is_healthy = True
+        worker.last_error = ""
