@@ -1,6 +1,8 @@
 """The router process: `tandem router --model PATH --prefill HOST:PORT --decode HOST:PORT`.
 
-Serves tandem.v1.Generate + grpc.health.v1 + reflection. SIGTERM/SIGINT: health turns
+Serves tandem.v1.Generate + grpc.health.v1 + reflection. Health: service "" is SERVING only
+while the workers can serve a request (readiness); "tandem.v1.Generate" is SERVING while the
+process is up (liveness). SIGTERM/SIGINT: health turns
 NOT_SERVING and new calls get UNAVAILABLE at once; in-flight streams get
 --shutdown-grace-seconds to finish.
 """
@@ -63,8 +65,9 @@ async def serve(args: argparse.Namespace) -> None:
     if server.add_insecure_port(address) == 0:
         raise SystemExit(f"tandem router: cannot listen on {address}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    readiness = asyncio.create_task(_track_readiness(pool, health_servicer,
+                                                     args.health_check_interval))
     logger.info("router serving %s on %s; workers: %s", frontend.limits.name, address,
                 ", ".join(f"{w.role}={w.address}" for w in pool.workers))
 
@@ -76,11 +79,26 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("shutting down: NOT_SERVING; in-flight streams get %.0f s",
                 args.shutdown_grace_seconds)
     servicer.is_draining = True
+    readiness.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(args.shutdown_grace_seconds)
     await pool.close()
     frontend.close()
     logger.info("stopped")
+
+
+async def _track_readiness(pool: WorkerPool, health_servicer, interval: float) -> None:
+    serving, not_serving = (health_pb2.HealthCheckResponse.SERVING,
+                            health_pb2.HealthCheckResponse.NOT_SERVING)
+    was_ready = None
+    while True:
+        is_ready = pool.can_serve
+        if is_ready != was_ready:
+            await health_servicer.set("", serving if is_ready else not_serving)
+            logger.info("router %s", "ready: workers available" if is_ready
+                        else "not ready: no complete set of healthy workers")
+            was_ready = is_ready
+        await asyncio.sleep(min(interval, 0.25))
 
 
 def main(argv: list[str] | None = None) -> int:

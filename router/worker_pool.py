@@ -63,6 +63,11 @@ class WorkerPool:
         for worker in self.workers:
             await worker.channel.close()
 
+    @property
+    def can_serve(self) -> bool:
+        """A request can be routed: a prefill and a decode worker, or an aggregated one."""
+        return bool((self.healthy("prefill") and self.healthy("decode")) or self.healthy("both"))
+
     def healthy(self, role: str) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role == role and w.is_healthy]
 

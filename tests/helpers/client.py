@@ -1,0 +1,54 @@
+"""A minimal blocking client for tests: one Generate call, chunks collected."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+@dataclass
+class Result:
+    deltas: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    complete: generate_pb2.Complete | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+def request(prompt: str | list[int], max_tokens: int = 16, min_tokens: int | None = None,
+            temperature: float = 0.0, seed: int | None = None,
+            **fields) -> generate_pb2.GenerateRequest:
+    message = generate_pb2.GenerateRequest(
+        sampling=generate_pb2.SamplingParameters(temperature=temperature, seed=seed),
+        stop=generate_pb2.StopConditions(
+            max_tokens=max_tokens, min_tokens=max_tokens if min_tokens is None else min_tokens),
+        **fields)
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.ids.extend(prompt)
+    return message
+
+
+def generate(address: str, message: generate_pb2.GenerateRequest,
+             timeout: float = 60) -> Result:
+    result = Result()
+    with grpc.insecure_channel(address) as channel:
+        for response in generate_pb2_grpc.GenerateStub(channel).Generate(message,
+                                                                          timeout=timeout):
+            if response.HasField("chunk"):
+                result.deltas.append(response.chunk.text)
+                result.token_ids.extend(response.chunk.token_ids)
+            else:
+                result.complete = response.complete
+    return result
+
+
+def worker_load(address: str) -> worker_pb2.GetLoadResponse:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
+                                                           timeout=5)

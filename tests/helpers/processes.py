@@ -1,0 +1,126 @@
+"""Start real Tandem processes on 127.0.0.1 for end-to-end tests, and stop them."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_SECONDS = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Process:
+    name: str
+    address: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several processes share 2 CI cores
+    return env
+
+
+def start(name: str, args: list[str], port: int, log_dir: Path) -> Process:
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "w")
+    popen = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+                             env=_env(), start_new_session=True)
+    return Process(name, f"127.0.0.1:{port}", popen, log_path)
+
+
+def wait_serving(processes: list[Process], timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        with grpc.insecure_channel(process.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if not process.is_alive():
+                    raise RuntimeError(f"{process.name} exited:\n{process.log_tail()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{process.name} not serving after {timeout} s:\n"
+                                       f"{process.log_tail()}")
+                time.sleep(0.2)
+
+
+def stop(processes: list[Process], grace: float = 10.0) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.popen.kill()
+            process.popen.wait()
+
+
+@dataclass
+class Stack:
+    """A router with its workers. workers[name] -> Process; router.address for clients."""
+
+    router: Process
+    workers: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def processes(self) -> list[Process]:
+        return [*self.workers.values(), self.router]
+
+
+def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: int = 1,
+                num_both: int = 0, worker_args: list[str] = (),
+                router_args: list[str] = ()) -> Stack:
+    """Workers first, then the router; returns once every process reports SERVING."""
+    workers: dict[str, Process] = {}
+    roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
+    by_role: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
+    for role, count in roles:
+        for i in range(count):
+            port = free_port()
+            name = f"{role}-{i}"
+            workers[name] = start(name, ["tandem.workers.server", "--role", role, "--model",
+                                         str(model), "--port", str(port), "--dtype", "float32",
+                                         *worker_args], port, log_dir)
+            by_role[role].append(workers[name].address)
+    port = free_port()
+    router_cmd = ["tandem.router.server", "--model", str(model), "--port", str(port),
+                  "--health-check-interval", "0.5", *router_args]
+    for role, addresses in by_role.items():
+        if addresses:
+            router_cmd += [f"--{role}", ",".join(addresses)]
+    stack = Stack(start("router", router_cmd, port, log_dir), workers)
+    try:
+        wait_serving(list(workers.values()))
+        wait_serving([stack.router])
+    except Exception:
+        stop(stack.processes)
+        raise
+    return stack
