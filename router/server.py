@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--health-check-interval", type=float, default=1.0)
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    p.add_argument("--drain-delay-seconds", type=float, default=1.0,
+                   help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
+                        "before closing the port, so load balancers stop sending")
     return p
 
 
@@ -81,6 +84,7 @@ async def serve(args: argparse.Namespace) -> None:
     servicer.is_draining = True
     readiness.cancel()
     await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
     await pool.close()
     frontend.close()
