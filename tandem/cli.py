@@ -1,34 +1,207 @@
-"""The `tandem` command. Subcommands arrive with the services (router, worker, up, bench)."""
+"""The `tandem` command.
+
+    tandem up [--model PATH]          a local stack: workers + router as child processes
+    tandem generate "PROMPT"          stream a completion from a router
+    tandem worker ... / tandem router ...   run one service (flags: `tandem worker --help`)
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tandem import SamplingParams, __version__
+from tandem import __version__
+
+if TYPE_CHECKING:
+    from tandem.client import GenerationResult
+
+# Subcommands whose whole argv belongs to a service's own parser.
+SERVICES = {"worker": "tandem.workers.server", "router": "tandem.router.server"}
+# `tandem up` flags passed to every worker / to the router when given: (flag, type or "switch").
+WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max-model-len", int),
+                ("--block-size", int), ("--num-kv-blocks", int), ("--max-num-seqs", int),
+                ("--max-num-batched-tokens", int), ("--kv-lease-seconds", float),
+                ("--no-prefix-caching", "switch")]
+ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int)]
+# Services drain for --grace seconds after SIGTERM; `up` allows this much more before SIGKILL.
+EXIT_MARGIN_S = 2.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in SERVICES.items():
+        sub.add_parser(name, add_help=False,
+                       help=f"run one {name} ({module}; see `tandem {name} --help`)")
+    _add_up(sub.add_parser("up", help="start workers and a router here; Ctrl-C stops them"))
+    _add_generate(sub.add_parser("generate", help="stream a completion from a router"))
+    return parser
+
+
+def _add_up(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="HF checkpoint folder (default: download the default model)")
+    p.add_argument("--prefill", type=int, metavar="N",
+                   help="prefill workers (default 1; 0 with --both)")
+    p.add_argument("--decode", type=int, metavar="N",
+                   help="decode workers (default 1; 0 with --both)")
+    p.add_argument("--both", type=int, default=0, metavar="N",
+                   help="aggregated (--role both) workers")
+    p.add_argument("--host", default="127.0.0.1", help="the router's host (workers use 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="the router's port")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds each process may take to become SERVING")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds each tier gets to drain after SIGTERM (then SIGKILL)")
+    targets = {"workers": dict(WORKER_FLAGS), "router": dict(ROUTER_FLAGS)}
+    for flag, kind in dict(WORKER_FLAGS + ROUTER_FLAGS).items():
+        to = " and ".join(name for name, flags in targets.items() if flag in flags)
+        if kind == "switch":
+            p.add_argument(flag, action="store_true", help=f"passed to the {to}")
+        else:
+            p.add_argument(flag, type=kind, metavar=kind.__name__.upper(),
+                           help=f"passed to the {to}")
+
+
+def _add_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text, sent as-is (no chat template)")
+    p.add_argument("--chat", metavar="TEXT", help="send TEXT as one user chat message instead")
+    p.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", metavar="S", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--timeout", type=float, metavar="SEC", help="deadline for the whole call")
+
+
+def _passed_flags(args: argparse.Namespace, flags: list) -> list[str]:
+    argv = []
+    for flag, kind in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if kind == "switch":
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from tandem.stack import StackError, check_port_free, dial_address, plan_stack, run_stack
+
+    num_prefill = args.prefill if args.prefill is not None else (0 if args.both else 1)
+    num_decode = args.decode if args.decode is not None else (0 if args.both else 1)
+    if min(num_prefill, num_decode, args.both) < 0 or (num_prefill > 0) != (num_decode > 0):
+        return _error("--prefill and --decode must both be at least 1, or both 0 with --both N")
+    if num_prefill + args.both == 0:
+        return _error("no workers: give --prefill N --decode N or --both N")
+    try:
+        check_port_free(args.host, args.port)
+        model = _resolve_model(args.model)
+    except ImportError as exc:
+        return _error(f"no --model given, and the default model is unavailable ({exc})")
+    except (StackError, ValueError, OSError) as exc:
+        return _error(str(exc))
+    drain = ["--shutdown-grace-seconds", f"{args.grace:g}"]
+    groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
+                        num_both=args.both, host=args.host, port=args.port,
+                        worker_flags=_passed_flags(args, WORKER_FLAGS) + drain,
+                        router_flags=_passed_flags(args, ROUTER_FLAGS) + drain)
+
+    def on_ready() -> None:
+        router = groups[-1][0]
+        lines = [f"tandem up: serving {model}"]
+        specs = [spec for group in reversed(groups) for spec in group]  # router first
+        lines += [f"  {spec.name:<10} {spec.address}" for spec in specs]
+        lines += ["Try:", f"  tandem generate --router {dial_address(router.address)} "
+                  '"The capital of France is" --max-tokens 32', "Ctrl-C stops everything."]
+        print("\n".join(lines), flush=True)
+
+    return run_stack(groups, ready_timeout_s=args.ready_timeout,
+                     grace_s=args.grace + EXIT_MARGIN_S, on_ready=on_ready)
+
+
+def _resolve_model(model: str | None) -> str:
+    if model is None:  # fetched once here, so the children never race to download it
+        from tandem.common.default_model import ensure_default_model
+
+        return str(ensure_default_model())
+    path = Path(model).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"--model: {model} is not a folder")
+    return str(path)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tandem.client import TandemClient
+
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat is not None:
+        params["messages"] = [{"role": "user", "content": args.chat}]
+    with TandemClient(args.router, timeout=args.timeout) as client:
+        try:
+            stream = client.stream(args.prompt, **params)
+        except ValueError as exc:  # e.g. a seed outside uint64
+            return _error(str(exc))
+        text_ends_line = True
+        try:
+            for delta in stream:
+                if delta.text:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                    text_ends_line = delta.text.endswith("\n")
+        except grpc.RpcError as exc:
+            print("" if text_ends_line else "\n", end="", flush=True)
+            return _error(f"{exc.code().name}: {exc.details()}")
+        except KeyboardInterrupt:
+            stream.cancel()
+            print("", flush=True)
+            return 130
+    if not text_ends_line:
+        print(flush=True)
+    print(format_summary(stream.result), file=sys.stderr)
+    return 0
+
+
+def format_summary(result: GenerationResult) -> str:
+    """One line: finish reason, token counts, client-measured and router-measured latencies."""
+    def ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1e3:.1f}ms"
+
+    u, t = result.usage, result.timings
+    return (f"finish={result.finish_reason} prompt_tokens={u['prompt_tokens']} "
+            f"completion_tokens={u['completion_tokens']} cached={u['cached_prompt_tokens']} | "
+            f"client ttft={ms(result.client_ttft_seconds)} tpot={ms(result.client_tpot_seconds)} "
+            f"e2e={result.client_e2e_seconds:.2f}s | "
+            f"router queue={ms(t['queue_seconds'])} ttft={ms(t['time_to_first_token_seconds'])} "
+            f"tpot={ms(t['time_per_output_token_seconds'])} e2e={t['e2e_seconds']:.2f}s "
+            f"prefill queue={ms(t['prefill_queue_seconds'])} "
+            f"compute={ms(t['prefill_compute_seconds'])}")
+
+
+def _error(message: str) -> int:
+    print(f"tandem: error: {message}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
-    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="run prompts through the engine in this process")
-    gen.add_argument("--model", required=True, help="HF checkpoint folder")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("prompts", nargs="+")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SERVICES:  # the service parses its own flags, --help included
+        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
-    from tandem import LLM
-
-    try:
-        llm = LLM(args.model, dtype=args.dtype)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        for out in llm.generate(list(args.prompts), params):
-            print(out.text)
-    except ValueError as exc:
-        print(f"tandem: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    if args.command == "up":
+        return run_up(args)
+    if (args.prompt is None) == (args.chat is None):
+        parser.error("generate: give a PROMPT or --chat TEXT (one of them)")
+    return run_generate(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,194 @@
+"""TandemClient, AsyncTandemClient and `tandem generate` against a real gRPC stand-in router.
+
+The stand-in Generate service (EchoGenerate) streams the request it received back as text, in
+three chunks of two tokens each, so tests read back exactly which fields the client set.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from google.protobuf import text_format
+
+from tandem import cli
+from tandem.client import AsyncTandemClient, TandemClient, build_request
+from tandem.v1 import generate_pb2 as pb
+from tandem.v1 import generate_pb2_grpc
+
+TIMINGS = pb.Timings(queue_seconds=0.001, time_to_first_token_seconds=0.02,
+                     time_per_output_token_seconds=0.005, e2e_seconds=0.05,
+                     prefill_queue_seconds=0.002, prefill_compute_seconds=0.01)
+
+
+class EchoGenerate(generate_pb2_grpc.GenerateServicer):
+    async def Generate(self, request, context):
+        if request.text == "invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "sampling.top_p: must be in (0, 1]")
+        if request.text == "slow":
+            await asyncio.sleep(5)
+        echo = text_format.MessageToString(request, as_one_line=True)
+        cut = len(echo) // 3
+        for index, piece in enumerate((echo[:cut], echo[cut:2 * cut], echo[2 * cut:])):
+            ids = [2 * index, 2 * index + 1]
+            logprobs = [pb.TokenLogprob(token_id=i, logprob=-0.5, rank=1,
+                                        top=[pb.TopLogprob(token_id=i, logprob=-0.5)])
+                        for i in ids] if request.HasField("logprobs") else []
+            yield pb.GenerateResponse(chunk=pb.Chunk(text=piece, token_ids=ids, logprobs=logprobs))
+            await asyncio.sleep(0.01)
+        yield pb.GenerateResponse(complete=pb.Complete(
+            request_id=request.request_id or "assigned-id",
+            finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(
+                prompt_tokens=4, completion_tokens=6, cached_prompt_tokens=1), timings=TIMINGS))
+
+    async def GetModelInfo(self, request, context):
+        return pb.GetModelInfoResponse(model="echo", architectures=["EchoForCausalLM"],
+                                       max_model_len=128, vocab_size=1000, eos_token_ids=[2],
+                                       has_chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def router():
+    """host:port of an EchoGenerate grpc.aio server running in a background thread."""
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    state = {}
+
+    async def serve():
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateServicer_to_server(EchoGenerate(), server)
+        state["port"] = server.add_insecure_port("127.0.0.1:0")
+        state["stop"] = asyncio.Event()
+        await server.start()
+        started.set()
+        await state["stop"].wait()
+        await server.stop(0)
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(10)
+    yield f"127.0.0.1:{state['port']}"
+    loop.call_soon_threadsafe(state["stop"].set)
+    thread.join(10)
+
+
+def echoed(result) -> pb.GenerateRequest:
+    return text_format.Parse(result.text, pb.GenerateRequest())
+
+
+def test_text_prompt_carries_only_the_fields_given(router):
+    with TandemClient(router) as client:
+        result = client.generate("hi", max_tokens=5, temperature=0.0, stop="\n")
+        bare = client.generate("hi")
+    assert echoed(result) == pb.GenerateRequest(
+        text="hi", sampling=pb.SamplingParameters(temperature=0.0),
+        stop=pb.StopConditions(max_tokens=5, stop=["\n"]))
+    request = echoed(result)
+    assert request.sampling.HasField("temperature") and not request.sampling.HasField("top_p")
+    assert not request.HasField("logprobs")
+    assert echoed(bare) == pb.GenerateRequest(text="hi")
+    assert not echoed(bare).HasField("sampling") and not echoed(bare).HasField("stop")
+
+
+def test_every_option_and_prompt_form_reaches_the_request(router):
+    options = dict(request_id="r1", model="m", max_tokens=9, min_tokens=1, temperature=0.7,
+                   top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+                   presence_penalty=0.5, frequency_penalty=-0.5, seed=2**63, stop=["a", "b"],
+                   stop_token_ids=[7, 8], ignore_eos=True, logprobs=3)
+    with TandemClient(router) as client:
+        by_ids = client.generate([1, 2, 3], **options)
+        by_chat = client.generate(messages=[{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Hi"}])
+    assert echoed(by_ids) == build_request([1, 2, 3], **options)
+    request = echoed(by_ids)
+    assert list(request.token_ids.ids) == [1, 2, 3] and request.sampling.seed == 2**63
+    assert request.sampling.top_k == 40 and request.stop.ignore_eos and request.logprobs == 3
+    assert by_ids.request_id == "r1"
+    assert len(by_ids.logprobs) == 6 and by_ids.logprobs[0].top == ((0, -0.5),)
+    assert [(m.role, m.content) for m in echoed(by_chat).chat.messages] == [
+        ("system", "Be brief."), ("user", "Hi")]
+    assert by_chat.logprobs is None
+
+
+def test_result_has_usage_timings_and_client_latencies(router):
+    with TandemClient(router) as client:
+        result = client.generate("hi")
+    assert result.token_ids == [0, 1, 2, 3, 4, 5]
+    assert result.finish_reason == "length" and result.request_id == "assigned-id"
+    assert result.usage == {"prompt_tokens": 4, "completion_tokens": 6, "cached_prompt_tokens": 1}
+    assert result.timings["time_to_first_token_seconds"] == pytest.approx(0.02)
+    assert set(result.timings) == {f.name for f in pb.Timings.DESCRIPTOR.fields}
+    assert 0 < result.client_ttft_seconds < result.client_e2e_seconds
+    assert result.client_tpot_seconds > 0  # three chunks ~10 ms apart carry six tokens
+
+
+def test_stream_yields_deltas_then_exposes_the_result(router):
+    with TandemClient(router) as client:
+        stream = client.stream("hi", max_tokens=6)
+        deltas = list(stream)
+    assert [d.token_ids for d in deltas] == [[0, 1], [2, 3], [4, 5]]
+    assert "".join(d.text for d in deltas) == stream.result.text
+    assert echoed(stream.result).stop.max_tokens == 6
+
+
+def test_errors_are_grpc_status_codes(router):
+    with TandemClient(router, timeout=0.3) as client:
+        with pytest.raises(grpc.RpcError) as invalid:
+            client.generate("invalid")
+        with pytest.raises(grpc.RpcError) as late:
+            client.generate("slow")
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert invalid.value.details() == "sampling.top_p: must be in (0, 1]"
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(ValueError, match="exactly one"):
+        build_request("hi", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_model_info(router):
+    with TandemClient(router) as client:
+        info = client.model_info()
+    assert info == {"model": "echo", "architectures": ["EchoForCausalLM"], "max_model_len": 128,
+                    "vocab_size": 1000, "eos_token_ids": [2], "has_chat_template": True}
+
+
+def test_async_client_matches_the_sync_one(router):
+    async def run():
+        async with AsyncTandemClient(router) as client:
+            result = await client.generate("hi", top_k=5)
+            stream = client.stream([4, 5], seed=1)
+            deltas = [delta async for delta in stream]
+            info = await client.model_info()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await client.generate("invalid")
+        return result, stream, deltas, info, error.value
+
+    result, stream, deltas, info, error = asyncio.run(run())
+    assert echoed(result) == pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(top_k=5))
+    assert result.client_tpot_seconds > 0 and result.finish_reason == "length"
+    assert [d.token_ids for d in deltas] == [[0, 1], [2, 3], [4, 5]]
+    assert list(echoed(stream.result).token_ids.ids) == [4, 5]
+    assert info["model"] == "echo"
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cli_generate_streams_text_and_summarises(router, capsys):
+    argv = ["generate", "--router", router, "hello", "--max-tokens", "3", "--stop", "x",
+            "--stop", "y", "--top-k", "4"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert text_format.Parse(out, pb.GenerateRequest()) == pb.GenerateRequest(
+        text="hello", sampling=pb.SamplingParameters(temperature=0.0, top_k=4),
+        stop=pb.StopConditions(max_tokens=3, stop=["x", "y"]))
+    assert err.startswith(
+        "finish=length prompt_tokens=4 completion_tokens=6 cached=1 | client ttft=")
+    assert "router queue=1.0ms ttft=20.0ms tpot=5.0ms" in err
+
+    assert cli.main(["generate", "--router", router, "--chat", "hey"]) == 0
+    chat = text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).chat
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "hey")]
+
+    assert cli.main(["generate", "--router", router, "invalid"]) == 1
+    assert capsys.readouterr().err == (
+        "tandem: error: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1]\n")
