@@ -147,7 +147,7 @@ class BlockManager:
         # reused (evicted) before its prefix blocks, which other requests are likelier to hit.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
-            block.ref_count -= 1 if block_id != seq.block_table[0] or block.ref_count == 1 else 0
+            block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None  # keeps its hash: still hittable
         seq.block_table = []
