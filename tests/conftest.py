@@ -33,5 +33,15 @@ def checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    """A Tandem cache dir holding the converted default model (converted once per session)."""
+    from tandem.common.default_model import ensure_default_model
+
+    cache_dir = tmp_path_factory.mktemp("tandem-cache")
+    ensure_default_model(cache_dir)
+    return cache_dir
+
+
 def pytest_report_header(config):
     return f"tiny checkpoint variants: {', '.join(CHECKPOINT_VARIANTS)}"

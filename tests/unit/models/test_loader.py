@@ -115,3 +115,16 @@ def test_kv_cache_too_small_for_one_sequence(checkpoint):
 def test_max_model_len_above_model_limit(checkpoint):
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
         LLM(checkpoint("llama").path, max_model_len=100_000)
+
+
+def test_text_prompt_without_tokenizer_is_named(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("llama").path, tmp_path / "ckpt")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (path / name).unlink(missing_ok=True)
+    llm = LLM(path, dtype="float32")
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello")
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].text == ""
+    with_tokenizer = LLM(checkpoint("llama").path, dtype="float32")
+    [out] = with_tokenizer.generate("Paris is", SamplingParams(temperature=0, max_tokens=4))
+    assert out.text == with_tokenizer.tokenizer.decode(out.token_ids, skip_special_tokens=True)
