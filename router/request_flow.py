@@ -15,6 +15,7 @@ import grpc
 
 from tandem.common.convert import engine_params_to_proto, finish_reason_from_proto
 from tandem.common.logging import get_logger
+from tandem.common.metrics import RouterMetrics
 from tandem.common.sampling_params import SamplingParams
 from tandem.router.output import OutputAssembler
 from tandem.router.validation import RequestError
@@ -40,8 +41,10 @@ class RequestContext:
 
 
 class RequestFlow:
-    def __init__(self, pool: WorkerPool, tokenizer, request: RequestContext, context) -> None:
+    def __init__(self, pool: WorkerPool, tokenizer, request: RequestContext, context,
+                 metrics: RouterMetrics) -> None:
         self.pool = pool
+        self.metrics = metrics
         self.request = request
         self.context = context
         self.output = OutputAssembler(tokenizer, request.prompt_token_ids, request.stop_strings)
@@ -83,11 +86,29 @@ class RequestFlow:
 
     def _add(self, token_ids: list[int], logprobs) -> generate_pb2.Chunk | None:
         now = time.monotonic()
-        if self.first_token_time is None and token_ids:
-            self.first_token_time = now
         if token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self._observe_first_token(now - self.request.arrival)
+            else:
+                # Tokens that arrive together: the first carries the gap, the others 0.
+                self.metrics.inter_token_latency.observe(now - self.last_token_time)
+                for _ in token_ids[1:]:
+                    self.metrics.inter_token_latency.observe(0.0)
             self.last_token_time = now
+            self.metrics.generation_tokens.inc(len(token_ids))
         return self.output.add(token_ids, logprobs)
+
+    def _observe_first_token(self, ttft: float) -> None:
+        """TTFT and its parts; the delivery part is the remainder, so the parts add up."""
+        m = self.metrics
+        m.time_to_first_token.observe(ttft)
+        parts = {"router_queue": self.request.queue_seconds,
+                 "prefill_queue": self.prefill_queue_seconds,
+                 "prefill_compute": self.prefill_compute_seconds}
+        parts["first_token_delivery"] = max(0.0, ttft - sum(parts.values()))
+        for part, seconds in parts.items():
+            m.ttft_part.labels(part=part).observe(seconds)
 
     async def _disaggregated(self):
         prefill = self._pick("prefill")
@@ -150,6 +171,7 @@ class RequestFlow:
         if worker is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
         self.reached.append(worker)
+        self.metrics.routing_decisions.labels(worker=worker.address, role=role).inc()
         return worker
 
     async def _call(self, worker: WorkerEndpoint, awaitable):
@@ -180,6 +202,10 @@ class RequestFlow:
         num_tokens = len(self.output.token_ids)
         first = self.first_token_time or now
         tpot = (self.last_token_time - first) / (num_tokens - 1) if num_tokens > 1 else 0.0
+        if num_tokens > 1:
+            self.metrics.time_per_output_token.observe(tpot)
+        self.metrics.e2e_latency.observe(now - arrival)
+        self.metrics.requests_finished.labels(status=finish_reason or "unknown").inc()
         return generate_pb2.Complete(
             request_id=self.request.request_id,
             finish_reason={"stop": generate_pb2.FINISH_REASON_STOP,

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.logging import get_logger
+from tandem.common.metrics import RouterMetrics
 from tandem.router.admission import Admission
 from tandem.router.servicer import GenerateServicer
 from tandem.router.tokenization import ModelFrontend
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--health-check-interval", type=float, default=1.0)
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus /metrics on this port (off when not given)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
@@ -56,8 +60,12 @@ async def serve(args: argparse.Namespace) -> None:
     frontend = await asyncio.to_thread(ModelFrontend, args.model, args.max_model_len)
     pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval)
     await pool.start()
+    metrics = RouterMetrics(frontend.limits.name)
     servicer = GenerateServicer(frontend, pool,
-                                Admission(args.max_concurrency, args.max_queue))
+                                Admission(args.max_concurrency, args.max_queue), metrics)
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port, args.metrics_host)
+        logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -1,12 +1,14 @@
 """The public Generate service: validate, tokenize, admit, then relay a RequestFlow."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 import grpc
 
 from tandem.common.logging import get_logger
+from tandem.common.metrics import RouterMetrics
 from tandem.router.admission import Admission
 from tandem.router.request_flow import RequestContext, RequestFlow
 from tandem.router.tokenization import ModelFrontend
@@ -18,11 +20,18 @@ logger = get_logger(__name__)
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, frontend: ModelFrontend, pool: WorkerPool, admission: Admission) -> None:
+    def __init__(self, frontend: ModelFrontend, pool: WorkerPool, admission: Admission,
+                 metrics: RouterMetrics) -> None:
         self.frontend = frontend
         self.pool = pool
         self.admission = admission
+        self.metrics = metrics
         self.is_draining = False
+        metrics.num_requests_running.set_function(lambda: admission.num_running)
+        metrics.num_requests_waiting.set_function(lambda: admission.num_waiting)
+        for worker in pool.workers:
+            metrics.worker_healthy.labels(worker=worker.address, role=worker.role).set_function(
+                lambda w=worker: 1.0 if w.is_healthy else 0.0)
 
     async def GetModelInfo(self, request, context):
         return self.frontend.model_info()
@@ -35,13 +44,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
             limits = self.frontend.limits
             check_request(request, limits)
+            started = time.monotonic()
             prompt = await self.frontend.prompt_token_ids(request)
+            self.metrics.tokenization_time.observe(time.monotonic() - started)
             params = resolve_params(request, len(prompt), limits)
             async with self.admission.slot():
+                queue_seconds = time.monotonic() - arrival
+                self.metrics.queue_time.observe(queue_seconds)
+                self.metrics.prompt_tokens.inc(len(prompt))
                 flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
                     request_id, prompt, params, list(request.stop.stop), arrival,
-                    time.monotonic() - arrival), context)
+                    queue_seconds), context, self.metrics)
                 async for response in flow.responses():
                     yield response
         except RequestError as exc:
+            self.metrics.requests_finished.labels(status=exc.code.name).inc()
             await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:  # client cancel, disconnect or deadline
+            remaining = context.time_remaining()
+            status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 \
+                else "CANCELLED"
+            self.metrics.requests_finished.labels(status=status).inc()
+            raise

@@ -46,6 +46,7 @@ class ChildSpec:
     name: str
     argv: list[str]
     address: str
+    metrics_address: str = ""  # host:port of its Prometheus /metrics, when it serves one
 
 
 @dataclass(slots=True)
@@ -253,16 +254,22 @@ def plan_stack(model: str, *, num_prefill: int, num_decode: int, num_both: int, 
     for role, count in (("prefill", num_prefill), ("decode", num_decode), ("both", num_both)):
         for index in range(count):
             address = f"127.0.0.1:{free_port()}"
+            metrics_port = free_port()
             workers.append(ChildSpec(f"{role}-{index}", [
                 *cli, "worker", "--role", role, "--model", model, "--host", "127.0.0.1",
-                "--port", address.rpartition(":")[2], *worker_flags], address))
+                "--port", address.rpartition(":")[2], "--metrics-host", "127.0.0.1",
+                "--metrics-port", str(metrics_port), *worker_flags], address,
+                f"127.0.0.1:{metrics_port}"))
             by_role[role].append(address)
-    router_argv = [*cli, "router", "--model", model, "--host", host, "--port", str(port)]
+    metrics_port = free_port()
+    router_argv = [*cli, "router", "--model", model, "--host", host, "--port", str(port),
+                   "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)]
     for role, addresses in by_role.items():
         if addresses:
             router_argv += [f"--{role}", ",".join(addresses)]
     shown_host = f"[{host}]" if ":" in host else host
-    router = ChildSpec("router", [*router_argv, *router_flags], f"{shown_host}:{port}")
+    router = ChildSpec("router", [*router_argv, *router_flags], f"{shown_host}:{port}",
+                       f"127.0.0.1:{metrics_port}")
     return [workers, [router]]
 
 

@@ -47,8 +47,12 @@ class EngineFailure:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_step: Callable[[list[Sequence] | None], None] | None = None) -> None:
         self.engine = engine
+        # Called on the engine thread after every step with the sequences that got a token,
+        # and with None on idle wake-ups (metrics).
+        self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,6 +94,7 @@ class AsyncEngine:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
                                ", ".join(expired))
             if not engine.has_unfinished:
+                self._notify(None)
                 continue
             try:
                 updated = engine.step()
@@ -100,6 +105,15 @@ class AsyncEngine:
             if updated:
                 events = [(seq.request_id, _event(seq)) for seq in updated]
                 self._loop.call_soon_threadsafe(self._dispatch, events)
+            self._notify(updated)
+
+    def _notify(self, updated: list[Sequence] | None) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(updated)
+        except Exception:  # metrics must never stop the engine
+            logger.exception("step observer failed")
 
     def _run_commands(self, block: bool) -> None:
         try:

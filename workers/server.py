@@ -17,11 +17,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.common.logging import get_logger
+from tandem.common.metrics import WorkerMetrics
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
+from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
 
 logger = get_logger("tandem.worker")
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus /metrics on this port (off when not given)")
+    p.add_argument("--metrics-host", default="0.0.0.0")
     return p
 
 
@@ -67,14 +72,20 @@ async def serve(args: argparse.Namespace) -> None:
 
     config = engine_config(args)
     engine = await asyncio.to_thread(LLMEngine, config)
-    async_engine = AsyncEngine(engine)
+    model_name = Path(args.model).name
+    metrics = WorkerMetrics(model_name, args.role)
+    recorder = WorkerMetricsRecorder(engine, metrics)
+    async_engine = AsyncEngine(engine, on_step=recorder.after_step)
     async_engine.start()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port, args.metrics_host)
+        logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
     layout = KVLayout.from_kv_caches(engine.runner.kv_caches)
     peers = PeerChannels()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(async_engine, args.role, Path(args.model).name, address, layout, peers),
+        WorkerServicer(async_engine, args.role, model_name, address, layout, peers, metrics),
         server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(async_engine, layout),
                                                      server)

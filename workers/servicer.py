@@ -15,6 +15,7 @@ from tandem.common.convert import (engine_params_from_proto, finish_reason_to_pr
                                    layout_from_proto, layout_to_proto, logprob_to_proto)
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
+from tandem.common.metrics import WorkerMetrics
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.grpc_backend import pull_kv, release_kv
@@ -46,7 +47,8 @@ class PeerChannels:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, role: str, model_name: str, address: str,
-                 layout: KVLayout, peers: PeerChannels) -> None:
+                 layout: KVLayout, peers: PeerChannels, metrics: WorkerMetrics | None = None
+                 ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         self.engine = engine
@@ -55,6 +57,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.address = address
         self.layout = layout
         self.peers = peers
+        self.metrics = metrics
         self._tasks: dict[str, asyncio.Task] = {}
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -210,14 +213,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         channel = self.peers.get(handle.source_address)
         started = time.monotonic()
         try:
-            await pull_kv(channel, handle, self.layout, self.engine.engine.runner.kv_caches,
-                          block_ids, start_block, timeout=context.time_remaining())
+            num_bytes = await pull_kv(channel, handle, self.layout,
+                                      self.engine.engine.runner.kv_caches, block_ids,
+                                      start_block, timeout=context.time_remaining())
         except (grpc.aio.AioRpcError, ValueError) as exc:
+            if self.metrics is not None:
+                self.metrics.kv_transfer_failures.inc()
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             await self.engine.call(lambda e: e.abort(request.request_id))
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"KV pull from {handle.source_address} failed: {detail}")
         seconds = time.monotonic() - started
+        if self.metrics is not None:
+            self.metrics.kv_transfer_time.observe(seconds)
+            self.metrics.kv_transfer_bytes.inc(num_bytes)
         await release_kv(channel, handle.handle_id)
         await self.engine.call(lambda e: e.activate_prefilled(seq, handle.num_tokens))
         return seconds

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,18 @@ from tandem.workers.models.loader import build_model, load_hf_config
 from tandem.workers.ops.backend import resolve_backend
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What the last step did (read by the worker's metrics after each step)."""
+
+    num_seqs: int
+    num_tokens: int  # tokens whose KV the step computed
+    num_prefill_tokens: int  # of those, in prefill (chunk) positions
+    num_sampled: int
+    is_prefill: bool
+    seconds: float
 
 
 class LLMEngine:
@@ -59,6 +73,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
         self.num_expired_leases = 0
+        # Requests ended here, by status: a finish reason, "abort", or "pinned" (handed off).
+        self.num_finished: Counter[str] = Counter()
+        self.last_step: StepStats | None = None
         logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
                     time.monotonic() - started, max_model_len, num_kv_blocks, config.block_size)
 
@@ -96,8 +113,10 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.pinned.pop(request_id, None)
+        was_pinned = self.pinned.pop(request_id, None) is not None
         self.scheduler.finish(seq, FinishReason.ABORT)
+        if not was_pinned:  # a pinned request was already counted as handed off
+            self.num_finished["abort"] += 1
         return True
 
     # -- disaggregation: the prefill side pins, the decode side receives ----------------------
@@ -150,6 +169,7 @@ class LLMEngine:
             raise ValueError(f"num_computed_tokens={num_computed_tokens} outside "
                              f"[{seq.num_cached_tokens}, {seq.num_tokens})")
         seq.num_computed_tokens = num_computed_tokens
+        seq.first_token_time = time.monotonic()  # its first token came from the prefill worker
         self.block_manager.cache_computed_blocks(seq)
         self.scheduler.admit_running(seq)
 
@@ -159,6 +179,7 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one model step; returns the sequences that got a token (finished ones included)."""
+        started = time.monotonic()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
@@ -170,6 +191,10 @@ class LLMEngine:
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_computed_blocks(item.seq)
+        self.last_step = StepStats(
+            len(batch.scheduled), batch.num_tokens,
+            batch.num_tokens if batch.is_prefill else 0,  # steps are all-prefill or all-decode
+            len(sampled), batch.is_prefill, time.monotonic() - started)
         if output is None:
             return []
         now = time.monotonic()
@@ -183,9 +208,11 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
+                self.num_finished[reason.value] += 1
             elif seq.pin_after_prefill:
                 self.scheduler.pin(seq)
                 self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
+                self.num_finished["pinned"] += 1
         return sampled
 
 

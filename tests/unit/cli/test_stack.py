@@ -130,12 +130,17 @@ def test_plan_starts_workers_through_the_cli_then_a_router_that_knows_them():
     workers, (router,) = groups
     assert [w.name for w in workers] == ["prefill-0", "prefill-1", "decode-0"]
     port = workers[0].address.rpartition(":")[2]
+    metrics_port = workers[0].metrics_address.rpartition(":")[2]
     assert workers[0].argv == ["py", "-m", "tandem.cli", "worker", "--role", "prefill", "--model",
-                               "/m", "--host", "127.0.0.1", "--port", port, "--dtype", "float32"]
+                               "/m", "--host", "127.0.0.1", "--port", port, "--metrics-host",
+                               "127.0.0.1", "--metrics-port", metrics_port, "--dtype", "float32"]
     assert len({w.address for w in workers}) == 3
+    assert len({w.metrics_address for w in [*workers, router]}) == 4
+    router_metrics_port = router.metrics_address.rpartition(":")[2]
     assert router.argv == [
         "py", "-m", "tandem.cli", "router", "--model", "/m", "--host", "0.0.0.0", "--port",
-        "6000", "--prefill", f"{workers[0].address},{workers[1].address}",
+        "6000", "--metrics-host", "127.0.0.1", "--metrics-port", router_metrics_port,
+        "--prefill", f"{workers[0].address},{workers[1].address}",
         "--decode", workers[2].address, "--max-queue", "8"]
     (both,), _ = plan_stack("/m", num_prefill=0, num_decode=0, num_both=1, host="127.0.0.1",
                             port=1, python="py")
