@@ -3,6 +3,7 @@
     tandem up [--model PATH]          a local stack: workers + router as child processes
     tandem generate "PROMPT"          stream a completion from a router
     tandem worker ... / tandem router ...   run one service (flags: `tandem worker --help`)
+    tandem bench [--concurrency N | --rate R] ...   load-test a router (`tandem bench --help`)
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in SERVICES.items():
         sub.add_parser(name, add_help=False,
                        help=f"run one {name} ({module}; see `tandem {name} --help`)")
+    sub.add_parser("bench", add_help=False,
+                   help="load-test a router (tandem.bench; see `tandem bench --help`)")
     _add_up(sub.add_parser("up", help="start workers and a router here; Ctrl-C stops them"))
     _add_generate(sub.add_parser("generate", help="stream a completion from a router"))
     return parser
@@ -116,7 +119,8 @@ def run_up(args: argparse.Namespace) -> int:
         router = groups[-1][0]
         lines = [f"tandem up: serving {model}"]
         specs = [spec for group in reversed(groups) for spec in group]  # router first
-        lines += [f"  {spec.name:<10} {spec.address}" for spec in specs]
+        lines += [f"  {spec.name:<10} {spec.address:<22} metrics http://{spec.metrics_address}"
+                  f"/metrics" for spec in specs]
         lines += ["Try:", f"  tandem generate --router {dial_address(router.address)} "
                   '"The capital of France is" --max-tokens 32', "Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
@@ -195,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SERVICES:  # the service parses its own flags, --help included
         return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+    if argv and argv[0] == "bench":  # tandem.bench parses its own flags, --help included
+        return importlib.import_module("tandem.bench").main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "up":

@@ -1,0 +1,114 @@
+"""run_benchmark and run_sweep: ask the router for its model, build the workload, drive the load,
+compute the statistics.
+
+    from tandem.bench import BenchmarkConfig, run_benchmark
+
+    result = run_benchmark(BenchmarkConfig(router="127.0.0.1:50051", concurrency=8,
+                                           num_requests=200, input_len="uniform:16:512",
+                                           output_len="128", slo_ttft_s=0.5, slo_tpot_s=0.05))
+    print(result.table())
+    result.stats["ttft_s"]["p90"], result.stats["output_token_throughput"]
+    open("bench.json", "w").write(result.to_json())
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import grpc
+
+from tandem.bench.config import BenchmarkConfig
+from tandem.bench.loadgen import LoadGenerator
+from tandem.bench.records import RequestRecord
+from tandem.bench.report import compute_stats, format_table
+from tandem.bench.workload import (FilePrompt, RequestSpec, file_workload, read_prompts_file,
+                                   synthetic_workload)
+from tandem.client import AsyncTandemClient
+
+__all__ = ["BenchmarkError", "BenchmarkResult", "async_run_benchmark", "run_benchmark",
+           "run_sweep", "sweep_to_json"]
+MODEL_INFO_TIMEOUT_S = 30.0
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark could not start (e.g. the router did not answer GetModelInfo)."""
+
+
+@dataclass(slots=True)
+class BenchmarkResult:
+    """One run: its config, the served model, every request's record and the statistics.
+    `origin_s` is the perf_counter time the load started; record times are relative to it in
+    the JSON."""
+    config: BenchmarkConfig
+    model_info: dict
+    records: list[RequestRecord]
+    stats: dict
+    started_at: str
+    origin_s: float
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "model": self.model_info,
+                "started_at": self.started_at, "stats": self.stats,
+                "requests": [record.summary(self.origin_s) for record in self.records]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        return format_table(self.stats, router=self.config.router,
+                            load=self.config.load_shape(), model=self.model_info.get("model", ""))
+
+
+async def async_run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
+    """run_benchmark inside a running event loop."""
+    prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
+    async with AsyncTandemClient(config.router) as client:
+        model_info = await _model_info(client, config.router)
+        specs = _workload(config, model_info, prompts)
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        origin_s = time.perf_counter()
+        records = await LoadGenerator(client, config, specs).run()
+    stats = compute_stats(records, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s)
+    return BenchmarkResult(config, model_info, records, stats, started_at, origin_s)
+
+
+def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
+    """Runs one benchmark to the end (its own event loop). Raises BenchmarkError when the
+    router cannot be asked for its model, ValueError for a bad prompts file."""
+    return asyncio.run(async_run_benchmark(config))
+
+
+def run_sweep(config: BenchmarkConfig, rates: Sequence[float]) -> list[BenchmarkResult]:
+    """One open-loop run per Poisson rate, in the order given, each with `config`'s workload."""
+    async def sweep() -> list[BenchmarkResult]:
+        return [await async_run_benchmark(config.with_rate(rate)) for rate in rates]
+
+    return asyncio.run(sweep())
+
+
+def sweep_to_json(rates: Sequence[float], results: Sequence[BenchmarkResult]) -> str:
+    """A sweep's JSON: {"rates": [...], "runs": [one BenchmarkResult.to_dict() per rate]}."""
+    return json.dumps({"rates": list(rates), "runs": [result.to_dict() for result in results]},
+                      indent=2)
+
+
+async def _model_info(client: AsyncTandemClient, router: str) -> dict:
+    try:
+        return await client.model_info(timeout=MODEL_INFO_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise BenchmarkError(f"router {router} did not answer GetModelInfo: "
+                             f"{exc.code().name}: {exc.details()}") from None
+
+
+def _workload(config: BenchmarkConfig, model_info: dict,
+              prompts: list[FilePrompt] | None) -> Iterator[RequestSpec]:
+    if prompts is not None:
+        return file_workload(prompts, config.output_dist, seed=config.seed)
+    return synthetic_workload(config.input_dist, config.output_dist,
+                              vocab_size=model_info["vocab_size"],
+                              eos_token_ids=model_info["eos_token_ids"],
+                              max_model_len=model_info["max_model_len"], seed=config.seed)
