@@ -7,7 +7,11 @@ prometheus-client appends `_total` to counters and `_bucket/_sum/_count` to hist
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -44,9 +48,38 @@ class _Metrics:
         metric = Gauge(name, doc, BASE_LABELS + labels, registry=self.registry)
         return metric.labels(**self._base) if not labels else _Partial(metric, self._base)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "0.0.0.0") -> ThreadingHTTPServer:
         """Serve /metrics over HTTP on a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)
+        return serve_metrics(self.registry, port, host)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str) -> ThreadingHTTPServer:
+    """/metrics in the Prometheus text format, always.
+
+    prometheus-client's own server answers an OpenMetrics Accept header (which Prometheus
+    sends) with names whose ':' became '_', so `tandem:x` would be stored as `tandem_x` and
+    break every dashboard. The text format keeps the names as written.
+    """
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path.split("?")[0] not in ("/metrics", "/"):
+                self.send_error(404)
+                return
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # scrapes every second: keep the log quiet
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 class _Partial:
