@@ -10,6 +10,24 @@ KV cache layout, per layer (what AITER's unified_attention reads as well)::
 A batch is flat: the new tokens of every sequence concatenated ([T, ...]), delimited by
 query_start_loc. Each sequence's queries are its last query_len positions and attend causally
 to all seq_len positions (earlier chunks and prefix-cache hits included).
+
+Two per-layer variants (GPT-OSS uses both), with the semantics of transformers and AITER:
+
+* Sliding window W: the query at absolute position p sees keys in (p - W, p], i.e. W keys
+  counting itself (transformers: kv_idx > q_idx - W). AITER's unified_attention spells the
+  same window window_size=(W - 1, 0); no window is (-1, -1). See `Attention.window_size`.
+
+    W = 3, seq_len 6, query at position 5:  keys 0 1 2 [3 4 5]
+
+  The block manager still allocates (and keeps) every block of a windowed layer; freeing the
+  blocks that slid out of every window is a later optimisation.
+* Sinks: one learnable logit per query head that joins the softmax denominator but carries no
+  value. With s_j = scale * q.k_j over the visible keys:
+
+    out = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j))
+
+  The sink is a raw logit (not multiplied by scale), as in transformers' GPT-OSS eager
+  attention and AITER's `sinks=` argument (float32 [num_query_heads]).
 """
 from __future__ import annotations
 
@@ -20,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.linear import tp_rank_and_size
 
 
 @dataclass(slots=True)
@@ -42,22 +61,55 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Stateless except for the KV cache tensors the model runner binds after allocating them."""
+    """Stateless except for the KV cache tensors the model runner binds after allocating them,
+    and, with `has_sinks`, the per-head sink logits.
+
+    The op owns `sinks` ([num_heads] on this TP rank, float32 as AITER reads it) so every
+    backend finds it in one place. A model keeps HF's checkpoint name by mapping it:
+    packed_modules_mapping {"sinks": ("attn.sinks", None)} sends `self_attn.sinks` to
+    `self_attn.attn.sinks`; its weight_loader takes this rank's heads from the full tensor.
+    """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: KernelBackend = KernelBackend.TORCH) -> None:
+                 backend: KernelBackend = KernelBackend.TORCH, *,
+                 sliding_window: int | None = None, has_sinks: bool = False) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of "
                              f"num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None for none)")
         require_torch_backend(backend, "attention")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        if has_sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32),
+                                      requires_grad=False)  # [H]
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.register_parameter("sinks", None)
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """The window as AITER's unified_attention takes it: (left, right), -1 for unbounded."""
+        return (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: int | str | None = None) -> None:
+        tp_rank, tp_size = tp_rank_and_size()
+        if loaded.dim() == 1 and loaded.shape[0] == self.num_heads * tp_size:
+            loaded = loaded.narrow(0, tp_rank * self.num_heads, self.num_heads)
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"sinks: expected shape {tuple(param.shape)} (or "
+                             f"({self.num_heads * tp_size},) across TP), checkpoint has "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded)
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         expected = (self.num_kv_heads, self.head_dim)
@@ -72,7 +124,8 @@ class Attention(nn.Module):
         if self.k_cache is None:
             raise RuntimeError("Attention.forward before bind_kv_cache")
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale)
+        return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale,
+                                     sliding_window=self.sliding_window, sinks=self.sinks)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -82,33 +135,72 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len positions of one sequence's K or V: [seq_len, KVH, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              start: int = 0) -> torch.Tensor:
+    """Positions [start, seq_len) of one sequence's K or V: [seq_len - start, KVH, D]."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+    first_block, end_block = start // block_size, -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[first_block:end_block].long())
+    flat = blocks.reshape((end_block - first_block) * block_size, *cache.shape[2:])
+    offset = start - first_block * block_size
+    return flat[offset:offset + seq_len - start]
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Reference paged attention: one SDPA call per sequence over its gathered context."""
+                          meta: AttentionMetadata, scale: float, *,
+                          sliding_window: int | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference paged attention: per sequence, one attention call over the keys it can see.
+
+    sliding_window and sinks follow the module docstring; sinks is [H] or None.
+    """
     out = torch.empty_like(q)
     starts = meta.query_start_loc_host
     for i, seq_len in enumerate(meta.seq_lens_host):
         start, end = starts[i], starts[i + 1]
         query_len = end - start
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-        # Query j sits at absolute position seq_len - query_len + j and sees keys 0..that.
-        if query_len == 1:
-            mask = None
-        else:
-            key_pos = torch.arange(seq_len, device=q.device)
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-            mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len]
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype),
-            v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        # Query j sits at absolute position seq_len - query_len + j. Keys before first_key lie
+        # outside every query's window, so they are not even gathered.
+        first_query_pos = seq_len - query_len
+        first_key = 0 if sliding_window is None else max(0, first_query_pos - sliding_window + 1)
+        k = gather_kv(k_cache, meta.block_tables[i], seq_len, first_key)
+        v = gather_kv(v_cache, meta.block_tables[i], seq_len, first_key)
+        mask = _visibility_mask(first_key, seq_len, query_len, sliding_window, q.device)
+        out[start:end] = _attend(q[start:end], k, v, mask, scale, sinks)
     return out
+
+
+def _visibility_mask(first_key: int, seq_len: int, query_len: int, sliding_window: int | None,
+                     device: torch.device) -> torch.Tensor | None:
+    """[query_len, seq_len - first_key] bool, True where the query sees the key; None if all.
+
+    A single query (decode) sees every gathered key: first_key already cut the window.
+    """
+    if query_len == 1:
+        return None
+    key_pos = torch.arange(first_key, seq_len, device=device)
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    mask = key_pos[None, :] <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos - sliding_window
+    return mask
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [L, H, D], k/v [S, KVH, D], mask [L, S] or None -> [L, H, D]."""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+    if sinks is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o.transpose(0, 1)
+    # SDPA has no sink term: spell the softmax out in fp32 with one extra logit per head.
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, 0).float()  # [H, S, D]
+    v = v.repeat_interleave(group, 0).float()
+    logits = torch.matmul(q.float(), k.transpose(1, 2)) * scale  # [H, L, S]
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)  # [H, L, 1]
+    probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)

@@ -51,8 +51,8 @@ def test_rotary_matches_transformers(rope):
 
 
 def test_unsupported_rope_type_is_named():
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        RotaryEmbedding(32, 64, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_type='longrope'"):
+        RotaryEmbedding(32, 64, {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
 
 
 def test_paged_attention_matches_dense_causal_attention():
