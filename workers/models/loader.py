@@ -84,6 +84,21 @@ def _target_of(name: str, packed: dict[str, tuple[str, Any]]) -> tuple[str, Any]
     return name, None
 
 
+def _targets_of(model: nn.Module, name: str, packed: dict[str, tuple[str, Any]]
+                ) -> list[tuple[str, Any, int | None]]:
+    """Checkpoint tensor name -> [(our parameter name, shard id or None, expert id or None)].
+
+    A model may define `map_checkpoint_name(name)` returning such a list (e.g. one expert's
+    tensor, or a tensor stacked over all experts) or None to fall back to
+    `packed_modules_mapping`.
+    """
+    mapper = getattr(model, "map_checkpoint_name", None)
+    targets = mapper(name) if mapper is not None else None
+    if targets is None:
+        return [(*_target_of(name, packed), None)]
+    return targets
+
+
 def load_weights(model: nn.Module, model_path: str | Path) -> None:
     """Copy every checkpoint tensor into its parameter; every parameter must be filled."""
     files = checkpoint_files(model_path)
@@ -96,29 +111,45 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     for name, tensor in iter_checkpoint_tensors(files):
         if name.endswith(_IGNORED_SUFFIXES) or (is_tied and name == "lm_head.weight"):
             continue
-        target, shard_id = _target_of(name, packed)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                             f"{type(model).__name__}")
-        if shard_id in loaded[target]:
-            raise ValueError(f"checkpoint tensor {name!r} appears twice")
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                _copy_whole(param, tensor)
-            else:
-                loader(param, tensor.to(param.dtype), shard_id)
-        except ValueError as exc:
-            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
-        loaded[target].add(shard_id)
         num_bytes += tensor.numel() * tensor.element_size()
-    missing = [n for n, p in params.items() if len(loaded[n]) < getattr(p, "num_shards", 1)]
+        for target, shard_id, expert_id in _targets_of(model, name, packed):
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(model).__name__}")
+            key = shard_id if expert_id is None else (expert_id, shard_id)
+            if key in loaded[target]:
+                raise ValueError(f"checkpoint tensor {name!r} appears twice")
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(param.dtype)  # once, though a stacked tensor has many targets
+            try:
+                if loader is None:
+                    _copy_whole(param, tensor)
+                elif expert_id is None:
+                    loader(param, tensor, shard_id)
+                else:
+                    loader(param, tensor, shard_id, expert_id)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
+            loaded[target].add(key)
+    missing = [_describe_missing(n, p, loaded[n]) for n, p in params.items()
+               if len(loaded[n]) < getattr(p, "num_shards", 1)]
     if missing:
         raise ValueError(f"checkpoint {str(model_path)!r} is missing tensors for: "
                          f"{', '.join(missing)}")
     logger.info("loaded %.1f MB of weights from %d file(s) in %.1f s", num_bytes / 1e6,
                 len(files), time.monotonic() - started)
+
+
+def _describe_missing(name: str, param: nn.Parameter, loaded: set) -> str:
+    """The parameter's name, plus which (expert id, shard id) pairs are absent when it lists
+    them in `shard_ids` (stacked expert weights)."""
+    absent = [key for key in getattr(param, "shard_ids", ()) if key not in loaded]
+    if not absent:
+        return name
+    shown = ", ".join(f"expert {expert} {shard!r}" for expert, shard in absent[:8])
+    more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+    return f"{name} ({shown}{more})"
 
 
 def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:

@@ -1,0 +1,141 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers on the same weights (fp32),
+and the loader's handling of their expert tensors."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers.checkpoints import PARITY_LENGTHS, random_prompts
+from helpers.moe_checkpoints import moe_checkpoint  # noqa: F401  (fixture)
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, SamplingParams
+from tandem.workers.engine.scheduler import ScheduledSequence, SchedulerOutput
+from tandem.workers.engine.sequence import Sequence
+from tandem.workers.models.llama import LlamaMLP
+from tandem.workers.models.qwen3_moe import SparseMoeBlock
+
+NUM_NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+ALL_VARIANTS = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"]
+
+
+def assert_greedy_parity(llm: LLM, ckpt, prompts: list[list[int]]) -> None:
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
+            f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+def test_greedy_tokens_match_transformers(moe_checkpoint, variant):
+    ckpt = moe_checkpoint(variant)
+    llm = LLM(ckpt.path, dtype="float32", enable_prefix_caching=False)
+    assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=1))
+
+
+def test_qwen3_moe_layers_follow_mlp_only_layers(moe_checkpoint):
+    layers = LLM(moe_checkpoint("qwen3_moe").path, dtype="float32").engine.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [SparseMoeBlock, LlamaMLP, SparseMoeBlock]
+    assert layers[0].mlp.renormalize and layers[0].mlp.experts.w13.shape == (8, 64, 64)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
+    ckpt = moe_checkpoint(variant)
+    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
+    [prompt] = random_prompts([300], seed=2)
+    tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
+    seq = Sequence(tokens, GREEDY)
+    engine.block_manager.allocate(seq)
+    inputs = engine.runner.prepare_inputs(
+        SchedulerOutput([ScheduledSequence(seq, len(tokens), True)], is_prefill=True))
+    with torch.inference_mode():
+        logits = engine.model.compute_logits(
+            engine.model(inputs.input_ids, inputs.positions, inputs.meta))
+    engine.block_manager.free(seq)
+    expected = ckpt.logits(tokens)
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
+
+
+def test_qwen3_moe_parity_with_prefix_caching(moe_checkpoint):
+    ckpt = moe_checkpoint("qwen3_moe")
+    llm = LLM(ckpt.path, dtype="float32", enable_prefix_caching=True, max_num_batched_tokens=128)
+    [shared] = random_prompts([96], seed=4)
+    prompts = [shared + tail for tail in random_prompts([1, 20, 50, 100], seed=5)]
+    prompts += random_prompts([3, 64, 150, 250], seed=6)
+    assert_greedy_parity(llm, ckpt, prompts)
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+
+
+def test_qwen3_moe_parity_with_chunked_prefill(moe_checkpoint):
+    ckpt = moe_checkpoint("qwen3_moe")
+    llm = LLM(ckpt.path, dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=False)
+    assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=7))
+
+
+def test_qwen3_moe_parity_under_preemption(moe_checkpoint):
+    ckpt = moe_checkpoint("qwen3_moe")
+    llm = LLM(ckpt.path, dtype="float32", block_size=16, num_kv_blocks=24, max_model_len=384,
+              enable_prefix_caching=True)
+    assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=8))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.num_free_blocks == 24
+
+
+# ---- loading expert tensors ---------------------------------------------------------------
+
+def rewrite_weights(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("variant,name,message", [
+    ("qwen3_moe", "model.layers.2.mlp.experts.5.up_proj.weight",
+     r"missing tensors for: model\.layers\.2\.mlp\.experts\.w13 \(expert 5 'w3'\)"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+     r"missing tensors for: model\.layers\.1\.mlp\.experts\.w2 \(expert 3 'w2'\)"),
+])
+def test_missing_expert_tensor_is_named(moe_checkpoint, tmp_path, variant, name, message):
+    path = rewrite_weights(moe_checkpoint(variant).path, tmp_path / "ckpt",
+                           lambda tensors: tensors.pop(name))
+    with pytest.raises(ValueError, match=message):
+        LLM(path)
+
+
+def test_misshaped_or_duplicate_expert_tensor_is_named(moe_checkpoint, tmp_path):
+    ckpt = moe_checkpoint("qwen3_moe")
+    name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+
+    def shrink(tensors):
+        tensors[name] = tensors[name][:5].contiguous()
+
+    path = rewrite_weights(ckpt.path, tmp_path / "shrunk", shrink)
+    with pytest.raises(ValueError, match=rf"{name}.*expert 2 shard w1: expected shape"):
+        LLM(path)
+
+    def add_stacked_copy(tensors):
+        tensors["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 64, 32)
+
+    path = rewrite_weights(ckpt.path, tmp_path / "twice", add_stacked_copy)
+    with pytest.raises(ValueError, match="appears twice"):
+        LLM(path)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_experts_stacked_by_transformers_load_the_same(moe_checkpoint, tmp_path, variant):
+    """save_original_format=False writes transformers' in-memory names (experts stacked into
+    gate_up_proj / down_proj, Mixtral's block as `mlp`): they load into the same weights."""
+    ckpt = moe_checkpoint(variant)
+    ckpt.model.save_pretrained(tmp_path, save_original_format=False)
+    names = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    stacked = LLM(tmp_path, dtype="float32").engine.model.state_dict()
+    per_expert = LLM(ckpt.path, dtype="float32").engine.model.state_dict()
+    assert stacked.keys() == per_expert.keys()
+    assert all(torch.equal(stacked[key], per_expert[key]) for key in stacked)

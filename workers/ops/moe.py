@@ -1,0 +1,224 @@
+"""Mixture of experts: routing (`select_experts`) and the experts themselves (`FusedMoE`).
+
+Expert weights are stacked so one kernel call can run every expert:
+
+    w13 [E, 2*I, H]   rows [0, I) are gate (checkpoint "w1"), rows [I, 2I) are up ("w3")
+    w2  [E, H, I]     down ("w2")
+
+Under tensor parallelism every rank holds all E experts with its slice of I (w13 rows, w2
+columns) and the partial outputs are all-reduced, as in RowParallelLinear.
+
+Kernel seam: `FusedMoE` picks a `fused_moe(hidden, w13, w2, topk_weights, topk_ids, ...)`
+function once, at construction. The torch one sorts the (token, slot) pairs by expert and
+runs one matmul pair per expert that has tokens. A Triton backend (AITER's
+`aiter.ops.triton.moe_op`) does the same sort on the GPU with `moe_align_block_size` (pairs
+grouped by expert and padded to the kernel's block size) and then one `fused_moe` launch per
+projection; it plugs in as another entry of `_KERNELS`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.linear import tp_rank_and_size
+
+# Checkpoint shard ids: which projection of one expert a tensor holds.
+GATE, UP, DOWN = "w1", "w3", "w2"
+STACKED_GATE_UP = "w13"  # a tensor holding [gate | up] of every expert: [E, 2I, H]
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                   renormalize: bool, e_score_correction_bias: torch.Tensor | None = None,
+                   n_group: int | None = None, topk_group: int | None = None,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick top_k experts per token: router_logits [T, E] -> (weights [T, k] fp32, ids [T, k]).
+
+    scoring="softmax" (Mixtral, Qwen2/3-MoE, DeepSeek-V2): softmax over all experts, top-k,
+    optionally renormalised to sum to 1. scoring="sigmoid" (DeepSeek-V3, GLM-4-MoE): sigmoid
+    scores; `e_score_correction_bias` is added for *choosing* experts only, the weights are the
+    unbiased scores. With n_group, experts are split into n_group equal groups, only the
+    topk_group best groups are eligible (group score: sum of its top two biased scores when
+    a correction bias is given, else its best score), then top-k among them. The weights are
+    multiplied by routed_scaling_factor last. Ids come out in no particular order.
+    """
+    if scoring == "softmax":
+        scores = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(router_logits.float())
+    else:
+        raise ValueError(f"scoring={scoring!r} is not 'softmax' or 'sigmoid'")
+    choice = scores if e_score_correction_bias is None else \
+        scores + e_score_correction_bias.float()
+    if n_group is not None and n_group > 1:
+        choice = _mask_to_best_groups(choice, n_group, topk_group or n_group,
+                                      use_top2_sum=e_score_correction_bias is not None)
+    topk_ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices  # [T, k]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        denominator = topk_weights.sum(dim=-1, keepdim=True)
+        if scoring == "sigmoid":
+            denominator = denominator + 1e-20  # sigmoid scores can all be ~0
+        topk_weights = topk_weights / denominator
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+def _mask_to_best_groups(choice: torch.Tensor, n_group: int, topk_group: int,
+                         use_top2_sum: bool) -> torch.Tensor:
+    num_tokens, num_experts = choice.shape
+    if num_experts % n_group:
+        raise ValueError(f"n_group={n_group} does not divide the {num_experts} experts")
+    grouped = choice.view(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1) if use_top2_sum \
+        else grouped.max(dim=-1).values  # [T, G]
+    best_groups = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    is_eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return grouped.masked_fill(~is_eligible.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+# ---- experts: kernels ------------------------------------------------------------------------
+
+def torch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for every token t.
+
+    hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]. Each expert is
+    SiLU(x W1^T) * (x W3^T) then W2. Experts are visited in id order, so each token's terms are
+    added in ascending expert id (what transformers does).
+    """
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)  # [T*k]: slot s belongs to token s // k
+    order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    flat_weights = topk_weights.reshape(-1)
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        tokens = slots // top_k
+        gate, up = F.linear(hidden[tokens], w13[expert],
+                            None if w13_bias is None else w13_bias[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert],
+                     None if w2_bias is None else w2_bias[expert])  # [n, H]
+        out.index_add_(0, tokens, y * flat_weights[slots, None].to(y.dtype))
+    return out
+
+
+FusedMoEKernel = Callable[..., torch.Tensor]
+_KERNELS: dict[KernelBackend, FusedMoEKernel] = {KernelBackend.TORCH: torch_fused_moe}
+
+
+# ---- experts: the module ---------------------------------------------------------------------
+
+class FusedMoE(nn.Module):
+    """E experts with SiLU-gated MLPs, weights stacked as w13 [E, 2I, H] and w2 [E, H, I].
+
+    Loading: `weight_loader(param, tensor, shard_id, expert_id)` takes one expert's checkpoint
+    tensor (shard "w1" gate, "w3" up, "w2" down; [I, H] / [H, I], or [I] / [H] for biases), or a
+    tensor stacked over all experts ([E, 2I, H] gate|up or [E, I, H] / [E, H, I]), from which it
+    copies expert `expert_id`'s part. Every parameter lists the (expert_id, shard_id) pairs it
+    needs in `shard_ids` (`num_shards` = their number) so a loader can name what is missing.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 bias: bool = False, activation: str = "silu",
+                 backend: KernelBackend = KernelBackend.TORCH) -> None:
+        super().__init__()
+        if activation != "silu":
+            raise ValueError(f"activation={activation!r} is not supported (only 'silu')")
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe intermediate_size={intermediate_size} is not divisible by "
+                             f"the TP size {self.tp_size}")
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size // self.tp_size  # on this rank
+        size = self.intermediate_size
+        self.w13 = self._parameter((num_experts, 2 * size, hidden_size), (GATE, UP))
+        self.w2 = self._parameter((num_experts, hidden_size, size), (DOWN,))
+        self.w13_bias = self._parameter((num_experts, 2 * size), (GATE, UP)) if bias else None
+        self.w2_bias = self._parameter((num_experts, hidden_size), (DOWN,)) if bias else None
+        self.backend = require_torch_backend(backend, "fused_moe")
+        self._fused_moe = _KERNELS[self.backend]
+
+    def _parameter(self, shape: tuple[int, ...], shards: tuple[str, ...]) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape), requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.shard_ids = [(expert, shard) for expert in range(shape[0]) for shard in shards]
+        param.num_shards = len(param.shard_ids)
+        return param
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
+                      expert_id: int) -> None:
+        if shard_id not in (GATE, UP, DOWN):
+            raise ValueError(f"fused moe: shard_id={shard_id!r} is not 'w1', 'w3' or 'w2'")
+        if not isinstance(expert_id, int) or not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"fused moe: expert_id={expert_id!r} not in [0, {self.num_experts})")
+        what = f"expert {expert_id} shard {shard_id}"
+        is_w13 = param is self.w13 or param is self.w13_bias
+        if is_w13 == (shard_id == DOWN):
+            raise ValueError(f"{what}: shard {shard_id!r} does not belong in this parameter")
+        if loaded.dim() == param.dim():  # stacked over all experts
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"{what}: expected {self.num_experts} stacked experts, "
+                                 f"checkpoint has shape {tuple(loaded.shape)}")
+            loaded = loaded[expert_id]
+            full = self.intermediate_size * self.tp_size
+            if is_w13 and loaded.shape[0] == 2 * full:  # [gate | up] of this expert
+                loaded = loaded.narrow(0, 0 if shard_id == GATE else full, full)
+        dst = param.data[expert_id]
+        size = self.intermediate_size
+        if is_w13:  # rows [0, I) gate, [I, 2I) up; this rank's slice of I
+            dst = dst.narrow(0, 0 if shard_id == GATE else size, size)
+            loaded = self._rank_slice(loaded, 0)
+        elif dst.dim() == 2:  # w2 weight: this rank's slice of the I columns (a bias is whole)
+            loaded = self._rank_slice(loaded, 1)
+        if tuple(dst.shape) != tuple(loaded.shape):
+            raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, checkpoint has "
+                             f"{tuple(loaded.shape)}")
+        dst.copy_(loaded)
+
+    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        size = self.intermediate_size
+        if self.tp_size > 1 and loaded.dim() > dim and loaded.shape[dim] == size * self.tp_size:
+            return loaded.narrow(dim, self.tp_rank * size, size)
+        return loaded
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+        out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
+                              w13_bias=self.w13_bias,
+                              w2_bias=self.w2_bias if self.tp_rank == 0 else None)  # added once
+        if self.tp_size > 1:
+            dist.all_reduce(out)
+        return out
+
+
+def expert_targets(experts_prefix: str, shard_id: str, expert_id: int | None,
+                   num_experts: int, is_bias: bool = False) -> list[tuple[str, str, int]]:
+    """Where one checkpoint expert tensor goes, as (parameter name, shard id, expert id).
+
+    `experts_prefix` names the FusedMoE module ("model.layers.3.mlp.experts"). shard_id is
+    "w1" / "w3" / "w2" for one expert's tensor; with expert_id None the tensor is stacked over
+    all experts: "w13" for [gate | up] of each, "w2" for down.
+    """
+    suffix = "_bias" if is_bias else ""
+    if expert_id is not None:
+        param = "w2" if shard_id == DOWN else "w13"
+        return [(f"{experts_prefix}.{param}{suffix}", shard_id, expert_id)]
+    if shard_id == STACKED_GATE_UP:
+        return [(f"{experts_prefix}.w13{suffix}", shard, expert)
+                for expert in range(num_experts) for shard in (GATE, UP)]
+    return [(f"{experts_prefix}.w2{suffix}", DOWN, expert) for expert in range(num_experts)]
