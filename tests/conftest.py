@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # make tests/helpers importable
 
 from helpers.checkpoints import CHECKPOINT_VARIANTS, build_checkpoint  # noqa: E402
+from helpers.moe_checkpoints import build_moe_checkpoint  # noqa: E402
 
 # Tiny models run fastest on one thread, and several test processes share 2 CI cores: more
 # threads only oversubscribe them (measured: a parity test went from 25 s to 4.5 s).
@@ -28,6 +29,19 @@ def checkpoint(tmp_path_factory):
     def get(name: str):
         if name not in built:
             built[name] = build_checkpoint(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """moe_checkpoint(name) -> TinyCheckpoint of a tiny mixture-of-experts model."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_moe_checkpoint(name, tmp_path_factory.mktemp(name))
         return built[name]
 
     return get

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from helpers.checkpoints import random_prompts
 from helpers.client import generate, request, worker_load
-from helpers.moe_checkpoints import moe_checkpoint  # noqa: F401  (fixture)
 from helpers.processes import start_stack, stop
 
 from tandem.v1 import generate_pb2

@@ -52,16 +52,25 @@ class TinyCheckpoint:
             return self.model(torch.tensor([token_ids])).logits[0].float()
 
 
-def build_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
+# architecture -> (transformers config class, model class) names
+_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
+
+
+def build_checkpoint(name: str, directory: Path, variants: dict | None = None,
+                     base: dict | None = None) -> TinyCheckpoint:
+    """Build variants[name] (default: CHECKPOINT_VARIANTS over the dense base config)."""
     import transformers
 
-    arch, overrides, save_kwargs = CHECKPOINT_VARIANTS[name]
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[arch]
+    arch, overrides, save_kwargs = (variants or CHECKPOINT_VARIANTS)[name]
+    config_name, model_name = _ARCHITECTURES[arch]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     torch.manual_seed(sum(map(ord, name)))
-    config = config_cls(**{**_BASE, **overrides})
+    config = config_cls(**{**(_BASE if base is None else base), **overrides})
     model = model_cls(config).eval()
     model.save_pretrained(directory, **save_kwargs)
     save_tiny_tokenizer(Path(directory))
@@ -109,3 +118,25 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB - 1) ->
 
 # Eight prompt lengths from 1 to 300 tokens, used by every parity test.
 PARITY_LENGTHS = [1, 7, 16, 33, 64, 129, 200, 300]
+
+
+def paged_prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position from one paged prefill through Tandem's engine: [len, V]."""
+    from tandem import SamplingParams
+    from tandem.workers.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from tandem.workers.engine.sequence import Sequence
+
+    seq = Sequence(token_ids, SamplingParams(temperature=0))
+    engine.block_manager.allocate(seq)
+    try:
+        inputs = engine.runner.prepare_inputs(
+            SchedulerOutput([ScheduledSequence(seq, len(token_ids), True)], is_prefill=True))
+        with torch.inference_mode():
+            hidden = engine.model(inputs.input_ids, inputs.positions, inputs.meta)
+            return engine.model.compute_logits(hidden)
+    finally:
+        engine.block_manager.free(seq)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max()).item()

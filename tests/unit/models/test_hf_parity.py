@@ -3,19 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import PARITY_LENGTHS, random_prompts
+from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
+                                 relative_error)
 
 from tandem import LLM, SamplingParams
-from tandem.workers.engine.scheduler import ScheduledSequence, SchedulerOutput
-from tandem.workers.engine.sequence import Sequence
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
 ALL_VARIANTS = ["llama", "llama_tied", "llama_rope3", "llama_sharded", "qwen3", "qwen3_tied"]
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def assert_greedy_parity(llm: LLM, ckpt, prompts: list[list[int]]) -> None:
@@ -39,19 +34,10 @@ def test_greedy_tokens_match_transformers(checkpoint, variant):
 def test_logits_at_every_position_match_transformers(checkpoint, variant):
     """One paged prefill over prompt + completion; every position's logits vs transformers."""
     ckpt = checkpoint(variant)
-    llm = LLM(ckpt.path, dtype="float32", block_size=16)
-    engine = llm.engine
+    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
     [prompt] = random_prompts([300], seed=2)
     tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
-    seq = Sequence(tokens, GREEDY)
-    engine.block_manager.allocate(seq)
-    inputs = engine.runner.prepare_inputs(
-        SchedulerOutput([ScheduledSequence(seq, len(tokens), True)], is_prefill=True))
-    with torch.inference_mode():
-        hidden = engine.model(inputs.input_ids, inputs.positions, inputs.meta)
-        logits = engine.model.compute_logits(hidden)
-    engine.block_manager.free(seq)
-    assert relative_error(logits, ckpt.logits(tokens)) < 1e-4
+    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

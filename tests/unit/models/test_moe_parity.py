@@ -6,13 +6,11 @@ import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import PARITY_LENGTHS, random_prompts
-from helpers.moe_checkpoints import moe_checkpoint  # noqa: F401  (fixture)
+from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
+                                 relative_error)
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
-from tandem.workers.engine.scheduler import ScheduledSequence, SchedulerOutput
-from tandem.workers.engine.sequence import Sequence
 from tandem.workers.models.llama import LlamaMLP
 from tandem.workers.models.qwen3_moe import SparseMoeBlock
 
@@ -48,16 +46,7 @@ def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
     engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
     [prompt] = random_prompts([300], seed=2)
     tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
-    seq = Sequence(tokens, GREEDY)
-    engine.block_manager.allocate(seq)
-    inputs = engine.runner.prepare_inputs(
-        SchedulerOutput([ScheduledSequence(seq, len(tokens), True)], is_prefill=True))
-    with torch.inference_mode():
-        logits = engine.model.compute_logits(
-            engine.model(inputs.input_ids, inputs.positions, inputs.meta))
-    engine.block_manager.free(seq)
-    expected = ckpt.logits(tokens)
-    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
 
 
 def test_qwen3_moe_parity_with_prefix_caching(moe_checkpoint):
