@@ -58,6 +58,8 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
