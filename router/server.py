@@ -38,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF folder (tokenizer, chat template, limits)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--prefill", type=_addresses, default=[], help="host:port[,host:port...]")
-    p.add_argument("--decode", type=_addresses, default=[], help="host:port[,host:port...]")
+    targets = ("comma-separated targets: host:port, dns:///name:port (every address the name "
+               "resolves to, re-resolved each health check), or file:///path (host:port lines)")
+    p.add_argument("--prefill", type=_addresses, default=[], help=f"prefill workers; {targets}")
+    p.add_argument("--decode", type=_addresses, default=[], help=f"decode workers; {targets}")
     p.add_argument("--both", type=_addresses, default=[],
-                   help="aggregated (--role both) workers, host:port[,...]")
+                   help=f"aggregated (--role both) workers; {targets}")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=1024)

@@ -30,8 +30,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         metrics.num_requests_running.set_function(lambda: admission.num_running)
         metrics.num_requests_waiting.set_function(lambda: admission.num_waiting)
         for worker in pool.workers:
-            metrics.worker_healthy.labels(worker=worker.address, role=worker.role).set_function(
-                lambda w=worker: 1.0 if w.is_healthy else 0.0)
+            self._export_health(worker)
+        pool.on_added.append(self._export_health)
+
+    def _export_health(self, worker) -> None:
+        self.metrics.worker_healthy.labels(worker=worker.address, role=worker.role).set_function(
+            lambda: 1.0 if worker.is_healthy and not worker.is_removed else 0.0)
 
     async def GetModelInfo(self, request, context):
         return self.frontend.model_info()

@@ -1,8 +1,10 @@
 """The router's view of its workers: addresses by role, health, load, in-flight counts.
 
-A background task checks every worker each `check_interval` seconds (grpc.health.v1 Check,
-then GetLoad). A worker that fails a check, or whose RPC fails with UNAVAILABLE, leaves the
-pool at once; it rejoins when a check succeeds again. Transitions are logged.
+A background task, each `check_interval` seconds, re-resolves the targets (router/discovery.py)
+and checks every worker (grpc.health.v1 Check, then GetLoad). A worker that fails a check,
+reports NOT_SERVING (it is draining), or whose RPC fails with UNAVAILABLE, leaves the pool at
+once; it rejoins when a check succeeds again. A worker whose address disappears from its target
+stops receiving requests at once; its channel closes when its last request ends.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.logging import get_logger
+from tandem.router.discovery import Target
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = get_logger(__name__)
@@ -30,6 +33,7 @@ class WorkerEndpoint:
     num_in_flight: int = 0  # requests this router has on the worker now
     load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
     last_error: str = "not checked yet"
+    is_removed: bool = False  # its address left its target: never picked again
 
     @property
     def score(self) -> tuple[float, float]:
@@ -41,20 +45,17 @@ class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str],
                  check_interval: float = 1.0) -> None:
         self.check_interval = check_interval
-        self.workers: list[WorkerEndpoint] = []
-        for role, addresses in (("prefill", prefill), ("decode", decode), ("both", both)):
-            for address in addresses:
-                channel = grpc.aio.insecure_channel(
-                    address, options=[("grpc.max_receive_message_length", 64 << 20)])
-                self.workers.append(WorkerEndpoint(
-                    address, role, channel, worker_pb2_grpc.WorkerStub(channel),
-                    health_pb2_grpc.HealthStub(channel)))
-        if not self.workers:
+        self.targets = {role: [Target.parse(t) for t in targets]
+                        for role, targets in (("prefill", prefill), ("decode", decode),
+                                              ("both", both))}
+        if not any(self.targets.values()):
             raise ValueError("no workers given: pass --prefill and --decode, or --both")
+        self.workers: list[WorkerEndpoint] = []
+        self.on_added: list = []  # callbacks(worker), e.g. to export its health gauge
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.check_all()
+        await self.refresh()
         self._task = asyncio.create_task(self._check_forever())
 
     async def close(self) -> None:
@@ -63,13 +64,42 @@ class WorkerPool:
         for worker in self.workers:
             await worker.channel.close()
 
+    async def refresh(self) -> None:
+        """Re-resolve every target, add new workers, retire vanished ones, check all."""
+        wanted = set()
+        for role, targets in self.targets.items():
+            for target in targets:
+                wanted.update((role, address) for address in await target.resolve())
+        known = {(w.role, w.address) for w in self.workers if not w.is_removed}
+        for role, address in sorted(wanted - known):
+            self._add(role, address)
+        for worker in self.workers:
+            if not worker.is_removed and (worker.role, worker.address) not in wanted:
+                logger.info("%s worker %s is no longer in its target; retiring it",
+                            worker.role, worker.address)
+                worker.is_removed, worker.is_healthy = True, False
+        for worker in [w for w in self.workers if w.is_removed and w.num_in_flight == 0]:
+            self.workers.remove(worker)
+            await worker.channel.close()
+        await self.check_all()
+
+    def _add(self, role: str, address: str) -> WorkerEndpoint:
+        channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        worker = WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel),
+                                health_pb2_grpc.HealthStub(channel))
+        self.workers.append(worker)
+        for callback in self.on_added:
+            callback(worker)
+        return worker
+
     @property
     def can_serve(self) -> bool:
         """A request can be routed: a prefill and a decode worker, or an aggregated one."""
         return bool((self.healthy("prefill") and self.healthy("decode")) or self.healthy("both"))
 
     def healthy(self, role: str) -> list[WorkerEndpoint]:
-        return [w for w in self.workers if w.role == role and w.is_healthy]
+        return [w for w in self.workers if w.role == role and w.is_healthy and not w.is_removed]
 
     def pick(self, role: str) -> WorkerEndpoint | None:
         """The least loaded healthy worker of a role (load-aware; prefix affinity comes later)."""
@@ -83,12 +113,12 @@ class WorkerPool:
         worker.last_error = reason
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.workers))
+        await asyncio.gather(*(self._check(w) for w in self.workers if not w.is_removed))
 
     async def _check_forever(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
-            await self.check_all()
+            await self.refresh()
 
     async def _check(self, worker: WorkerEndpoint) -> None:
         try:

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    p.add_argument("--drain-delay-seconds", type=float, default=0.0,
+                   help="after SIGTERM, report NOT_SERVING this long (still serving calls) "
+                        "before refusing new ones, so routers stop sending first")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (off when not given)")
     p.add_argument("--metrics-host", default="0.0.0.0")
@@ -108,6 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
     logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
                 args.shutdown_grace_seconds)
     await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
     await async_engine.stop()
     await peers.close()

@@ -223,7 +223,7 @@ def test_kernels_enum_matches_the_worker():
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
-def test_router_points_at_every_worker_pod(rendered, name):
+def test_router_discovers_each_tier_through_its_headless_service(rendered, name):
     _, docs = rendered[name]
     router_args = _main_container(_router(docs))["args"]
     services = {s["metadata"]["name"]: s for s in _of_kind(docs, "Service")}
@@ -241,9 +241,11 @@ def test_router_points_at_every_worker_pod(rendered, name):
         pod_labels = sts["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= pod_labels.items()
         assert port in [p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"]
-        expected = [f"{sts['metadata']['name']}-{i}.{service['metadata']['name']}.{NAMESPACE}"
-                    f".svc.{CLUSTER_DOMAIN}:{port}" for i in range(sts["spec"]["replicas"])]
-        assert _flag(router_args, WORKER_ROLE_FLAGS[role]).split(",") == expected
+        expected = f"dns:///{service['metadata']['name']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:{port}"
+        assert _flag(router_args, WORKER_ROLE_FLAGS[role]) == expected
+        assert float(_flag(args, "--drain-delay-seconds")) > 0
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > \
+            float(_flag(args, "--drain-delay-seconds")) + float(_flag(args, "--shutdown-grace-seconds"))
     assert seen_roles in ({"prefill", "decode"}, {"both"})
     for role, flag in WORKER_ROLE_FLAGS.items():
         assert (flag in router_args) == (role in seen_roles)

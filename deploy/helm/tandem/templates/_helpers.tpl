@@ -64,8 +64,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* Every pod's address in a worker tier, comma-separated, for the router's --prefill, --decode
-or --both: <fullname>-<component>-<i>.<fullname>-<component>.<ns>.svc[.<clusterDomain>]:<port>.
+{{/* A worker tier as the router's target: the headless Service's DNS name, which resolves to
+every pod of the tier and which the router re-resolves on each health check, so scaling needs no
+router restart: dns:///<fullname>-<component>.<ns>.svc[.<clusterDomain>]:<port>.
 (dict "root" $ "component" "prefill" "tier" .Values.prefill) */}}
 {{- define "tandem.workerAddresses" -}}
 {{- $name := printf "%s-%s" (include "tandem.fullname" .root) .component }}
@@ -73,11 +74,7 @@ or --both: <fullname>-<component>-<i>.<fullname>-<component>.<ns>.svc[.<clusterD
 {{- if .root.Values.clusterDomain }}
 {{- $domain = printf "%s.%s" $domain .root.Values.clusterDomain }}
 {{- end }}
-{{- $addresses := list }}
-{{- range $i := until (int .tier.replicas) }}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s:%d" $name $i $name $domain (int $.tier.port)) }}
-{{- end }}
-{{- join "," $addresses }}
+{{- printf "dns:///%s.%s:%d" $name $domain (int .tier.port) }}
 {{- end }}
 
 {{/* The image of a tier: (dict "root" $ "tier" .Values.prefill), the tier's image block over the
