@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
+from tandem.common.security import BearerTokenInterceptor, TLSFiles, add_port, read_token
 from tandem.router.admission import Admission
 from tandem.router.servicer import GenerateServicer
 from tandem.router.tokenization import ModelFrontend
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--health-check-interval", type=float, default=1.0)
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    p.add_argument("--tls-cert", help="the router's certificate (PEM); with --tls-key and "
+                   "--tls-ca, mutual TLS on the public port and towards the workers")
+    p.add_argument("--tls-key", help="private key for --tls-cert (PEM)")
+    p.add_argument("--tls-server-name",
+                   help="name to expect in peers' certificates (peers are dialled by IP)")
+    p.add_argument("--tls-ca", help="CA certificate that signs clients and workers (PEM)")
+    p.add_argument("--auth-token-file",
+                   help="require 'authorization: Bearer <token>' on tandem.v1.Generate")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (off when not given)")
     p.add_argument("--metrics-host", default="0.0.0.0")
@@ -59,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
+                              args.tls_server_name)
+    token = read_token(args.auth_token_file)
     frontend = await asyncio.to_thread(ModelFrontend, args.model, args.max_model_len)
-    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval)
+    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval, tls)
     await pool.start()
     metrics = RouterMetrics(frontend.limits.name)
     servicer = GenerateServicer(frontend, pool,
@@ -68,14 +80,15 @@ async def serve(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
-    server = grpc.aio.server()
+    interceptors = [BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",))] if token else []
+    server = grpc.aio.server(interceptors=interceptors)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if add_port(server, address, tls) == 0:
         raise SystemExit(f"tandem router: cannot listen on {address}")
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

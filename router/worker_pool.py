@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.logging import get_logger
+from tandem.common.security import TLSFiles, open_channel
 from tandem.router.discovery import Target
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -43,8 +44,9 @@ class WorkerEndpoint:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str],
-                 check_interval: float = 1.0) -> None:
+                 check_interval: float = 1.0, tls: TLSFiles | None = None) -> None:
         self.check_interval = check_interval
+        self.tls = tls
         self.targets = {role: [Target.parse(t) for t in targets]
                         for role, targets in (("prefill", prefill), ("decode", decode),
                                               ("both", both))}
@@ -84,8 +86,7 @@ class WorkerPool:
         await self.check_all()
 
     def _add(self, role: str, address: str) -> WorkerEndpoint:
-        channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        channel = open_channel(address, self.tls)
         worker = WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel),
                                 health_pb2_grpc.HealthStub(channel))
         self.workers.append(worker)

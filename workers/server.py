@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
+from tandem.common.security import TLSFiles, add_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-delay-seconds", type=float, default=0.0,
                    help="after SIGTERM, report NOT_SERVING this long (still serving calls) "
                         "before refusing new ones, so routers stop sending first")
+    p.add_argument("--tls-cert", help="this worker's certificate (PEM); with --tls-key and "
+                   "--tls-ca turns on mutual TLS for every call in and out")
+    p.add_argument("--tls-key", help="private key for --tls-cert (PEM)")
+    p.add_argument("--tls-server-name",
+                   help="name to expect in peers' certificates (peers are dialled by IP)")
+    p.add_argument("--tls-ca", help="CA certificate that signs every Tandem peer (PEM)")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (off when not given)")
     p.add_argument("--metrics-host", default="0.0.0.0")
@@ -74,6 +81,8 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
 
     config = engine_config(args)
+    tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
+                              args.tls_server_name)
     engine = await asyncio.to_thread(LLMEngine, config)
     model_name = Path(args.model).name
     metrics = WorkerMetrics(model_name, args.role)
@@ -85,7 +94,7 @@ async def serve(args: argparse.Namespace) -> None:
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
     layout = KVLayout.from_kv_caches(engine.runner.kv_caches)
-    peers = PeerChannels()
+    peers = PeerChannels(tls)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(async_engine, args.role, model_name, address, layout, peers, metrics),
@@ -96,7 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    if server.add_insecure_port(address) == 0:
+    if add_port(server, address, tls) == 0:
         raise SystemExit(f"tandem worker: cannot listen on {address}")
     await server.start()
     for name in ("", *SERVICE_NAMES):

@@ -16,6 +16,7 @@ from tandem.common.convert import (engine_params_from_proto, finish_reason_to_pr
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
+from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.grpc_backend import pull_kv, release_kv
@@ -28,16 +29,16 @@ MAX_BLOCK_WAIT_SECONDS = 30.0
 
 
 class PeerChannels:
-    """One shared channel per peer worker address."""
+    """One shared channel per peer worker address (mutual TLS when configured)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSFiles | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            channel = self._channels[address] = open_channel(address, self._tls)
         return channel
 
     async def close(self) -> None:

@@ -216,7 +216,8 @@ filesystem is read-only). */}}
 {{- end }}
 {{- end }}
 
-{{/* --tls-* flags, only with tls.enabled (PLACEHOLDER: the processes do not accept them yet). */}}
+{{/* --tls-* flags, only with tls.enabled: mutual TLS on every connection; peers are dialled by
+pod IP, so every certificate must carry tls.serverName, which peers verify. */}}
 {{- define "tandem.tlsArgs" -}}
 {{- if .Values.tls.enabled }}
 - --tls-cert
@@ -225,6 +226,8 @@ filesystem is read-only). */}}
 - /etc/tandem/tls/tls.key
 - --tls-ca
 - /etc/tandem/tls/ca.crt
+- --tls-server-name
+- {{ .Values.tls.serverName | quote }}
 {{- end }}
 {{- end }}
 
