@@ -86,15 +86,32 @@ def _mask_to_best_groups(choice: torch.Tensor, n_group: int, topk_group: int,
 
 # ---- experts: kernels ------------------------------------------------------------------------
 
+# Expert activations over the two halves of x W13^T (gate, up), by name:
+#   "silu"       SiLU(gate) * up
+#   "swigluoai"  GPT-OSS's clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit],
+#                then (up + 1) * gate * sigmoid(alpha * gate)
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str, swiglu_alpha: float,
+           swiglu_limit: float) -> torch.Tensor:  # [n, I], [n, I] -> [n, I]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+
+
 def torch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                     w13_bias: torch.Tensor | None = None,
-                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    w2_bias: torch.Tensor | None = None, activation: str = "silu",
+                    swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for every token t.
 
     hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_* [T, k] -> [T, H]. Each expert is
-    SiLU(x W1^T) * (x W3^T) then W2. Experts are visited in id order, so each token's terms are
-    added in ascending expert id (what transformers does).
+    act(x W1^T, x W3^T) then W2 (see `ACTIVATIONS`). Experts are visited in id order, so each
+    token's terms are added in ascending expert id (what transformers does).
     """
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)  # [T*k]: slot s belongs to token s // k
@@ -111,7 +128,7 @@ def torch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tokens = slots // top_k
         gate, up = F.linear(hidden[tokens], w13[expert],
                             None if w13_bias is None else w13_bias[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert],
+        y = F.linear(_gated(gate, up, activation, swiglu_alpha, swiglu_limit), w2[expert],
                      None if w2_bias is None else w2_bias[expert])  # [n, H]
         out.index_add_(0, tokens, y * flat_weights[slots, None].to(y.dtype))
     return out
@@ -124,7 +141,8 @@ _KERNELS: dict[KernelBackend, FusedMoEKernel] = {KernelBackend.TORCH: torch_fuse
 # ---- experts: the module ---------------------------------------------------------------------
 
 class FusedMoE(nn.Module):
-    """E experts with SiLU-gated MLPs, weights stacked as w13 [E, 2I, H] and w2 [E, H, I].
+    """E experts with gated MLPs (`activation`, see `ACTIVATIONS`), weights stacked as
+    w13 [E, 2I, H] and w2 [E, H, I].
 
     Loading: `weight_loader(param, tensor, shard_id, expert_id)` takes one expert's checkpoint
     tensor (shard "w1" gate, "w3" up, "w2" down; [I, H] / [H, I], or [I] / [H] for biases), or a
@@ -134,11 +152,16 @@ class FusedMoE(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
-                 bias: bool = False, activation: str = "silu",
+                 bias: bool = False, activation: str = "silu", swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0,
                  backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
-        if activation != "silu":
-            raise ValueError(f"activation={activation!r} is not supported (only 'silu')")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported (only "
+                             f"{', '.join(map(repr, ACTIVATIONS))})")
+        # Passed to the kernel only when not SiLU, so SiLU calls are what they always were.
+        self._activation_kwargs = {} if activation == "silu" else dict(
+            activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.tp_rank, self.tp_size = tp_rank_and_size()
         if intermediate_size % self.tp_size:
             raise ValueError(f"moe intermediate_size={intermediate_size} is not divisible by "
@@ -200,7 +223,8 @@ class FusedMoE(nn.Module):
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
                               w13_bias=self.w13_bias,
-                              w2_bias=self.w2_bias if self.tp_rank == 0 else None)  # added once
+                              w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
+                              **self._activation_kwargs)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out

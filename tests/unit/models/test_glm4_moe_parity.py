@@ -1,0 +1,143 @@
+"""GLM-4-MoE against transformers on the same weights (fp32), and loading its checkpoints."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers.checkpoints import (MAX_POS, PARITY_LENGTHS, VOCAB, build_checkpoint,
+                                 paged_prefill_logits, random_prompts, relative_error)
+from safetensors.torch import load_file, save_file
+
+from tandem import LLM, SamplingParams
+from tandem.workers.models.glm4_moe import Glm4MoeSparseBlock
+from tandem.workers.models.llama import LlamaMLP
+
+NUM_NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=MAX_POS, initializer_range=0.1, eos_token_id=VOCAB - 1,
+            bos_token_id=0, num_experts_per_tok=2, intermediate_size=64)
+
+# name -> (architecture, config overrides, save_pretrained kwargs)
+VARIANTS = {
+    # Layer 0 dense; 8 experts in 4 groups of which the best 2 are eligible; 2 shared experts;
+    # renormalised weights scaled by 2.5; QK norm; RoPE on half of each 16-dim head (default).
+    "glm4_moe": ("glm4_moe", {"num_hidden_layers": 3, "first_k_dense_replace": 1,
+                              "n_routed_experts": 8, "moe_intermediate_size": 32,
+                              "n_shared_experts": 2, "n_group": 4, "topk_group": 2,
+                              "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                              "use_qk_norm": True}, {}),
+    # Every layer sparse, one group, no QK norm, weights not renormalised, q/k/v biases.
+    "glm4_moe_plain": ("glm4_moe", {"num_hidden_layers": 2, "first_k_dense_replace": 0,
+                                    "n_routed_experts": 4, "moe_intermediate_size": 48,
+                                    "n_shared_experts": 1, "norm_topk_prob": False,
+                                    "use_qk_norm": False, "attention_bias": True,
+                                    "partial_rotary_factor": 0.75}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory):
+    """glm_checkpoint(name) -> TinyCheckpoint whose routers have a random, non-zero correction
+    bias (transformers initialises it to zeros, which would leave the bias path untested)."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            ckpt = build_checkpoint(name, tmp_path_factory.mktemp(name), VARIANTS, BASE)
+            generator = torch.Generator().manual_seed(3)
+            for layer in ckpt.model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    bias = layer.mlp.gate.e_score_correction_bias
+                    bias.copy_(torch.rand(bias.shape, generator=generator) * 0.4 - 0.2)
+            ckpt.model.save_pretrained(ckpt.path)
+            built[name] = ckpt
+        return built[name]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_tokens_match_transformers(glm_checkpoint, variant):
+    ckpt = glm_checkpoint(variant)
+    llm = LLM(ckpt.path, dtype="float32", enable_prefix_caching=False)
+    prompts = random_prompts(PARITY_LENGTHS, seed=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
+            f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_at_every_position_match_transformers(glm_checkpoint, variant):
+    ckpt = glm_checkpoint(variant)
+    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
+    [prompt] = random_prompts([300], seed=2)
+    tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
+    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
+
+
+def test_layers_follow_first_k_dense_replace_and_load_the_bias(glm_checkpoint):
+    ckpt = glm_checkpoint("glm4_moe")
+    layers = LLM(ckpt.path, dtype="float32").engine.model.model.layers
+    assert [type(layer.mlp) for layer in layers] == [LlamaMLP, Glm4MoeSparseBlock,
+                                                     Glm4MoeSparseBlock]
+    block, reference = layers[2].mlp, ckpt.model.model.layers[2].mlp
+    assert block.experts.w13.shape == (8, 64, 64)
+    assert block.shared_experts.down_proj.weight.shape == (64, 64)  # 2 shared x 32
+    assert layers[1].self_attn.rotary_emb.rotary_dim == 8
+    assert torch.count_nonzero(reference.gate.e_score_correction_bias) == 8
+    assert torch.equal(block.gate.e_score_correction_bias, reference.gate.e_score_correction_bias)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def rewrite_weights(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("name,message", [
+    ("model.layers.2.mlp.experts.5.up_proj.weight",
+     r"missing tensors for: model\.layers\.2\.mlp\.experts\.w13 \(expert 5 'w3'\)"),
+    ("model.layers.1.mlp.gate.e_score_correction_bias",
+     r"missing tensors for: model\.layers\.1\.mlp\.gate\.e_score_correction_bias"),
+    ("model.layers.1.mlp.shared_experts.up_proj.weight",
+     r"missing tensors for: model\.layers\.1\.mlp\.shared_experts\.gate_up_proj\.weight"),
+])
+def test_missing_tensor_is_named(glm_checkpoint, tmp_path, name, message):
+    path = rewrite_weights(glm_checkpoint("glm4_moe").path, tmp_path / "ckpt",
+                           lambda tensors: tensors.pop(name))
+    with pytest.raises(ValueError, match=message):
+        LLM(path)
+
+
+def test_mtp_layer_tensors_are_skipped(glm_checkpoint, tmp_path):
+    """GLM-4.5 checkpoints carry num_nextn_predict_layers extra layers after the last one."""
+    ckpt = glm_checkpoint("glm4_moe_plain")
+
+    def add_mtp_layer(tensors):
+        tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+        tensors["model.layers.2.mlp.experts.0.gate_proj.weight"] = torch.zeros(48, 64)
+
+    path = rewrite_weights(ckpt.path, tmp_path / "mtp", add_mtp_layer)
+    with_mtp = LLM(path, dtype="float32").engine.model.state_dict()
+    without = LLM(ckpt.path, dtype="float32").engine.model.state_dict()
+    assert with_mtp.keys() == without.keys()
+    assert all(torch.equal(with_mtp[key], without[key]) for key in without)
+
+
+def test_experts_stacked_by_transformers_load_the_same(glm_checkpoint, tmp_path):
+    ckpt = glm_checkpoint("glm4_moe_plain")
+    ckpt.model.save_pretrained(tmp_path, save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(
+        str(tmp_path / "model.safetensors")).keys()
+    stacked = LLM(tmp_path, dtype="float32").engine.model.state_dict()
+    per_expert = LLM(ckpt.path, dtype="float32").engine.model.state_dict()
+    assert stacked.keys() == per_expert.keys()
+    assert all(torch.equal(stacked[key], per_expert[key]) for key in per_expert)
