@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import (MAX_POS, PARITY_LENGTHS, VOCAB, build_checkpoint,
-                                 paged_prefill_logits, random_prompts, relative_error)
+from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
+                                 relative_error)
+from helpers.moe_checkpoints import GLM_VARIANTS as VARIANTS
 from safetensors.torch import load_file, save_file
 
 from tandem import LLM, SamplingParams
@@ -16,52 +17,10 @@ from tandem.workers.models.llama import LlamaMLP
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
 
-BASE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=MAX_POS, initializer_range=0.1, eos_token_id=VOCAB - 1,
-            bos_token_id=0, num_experts_per_tok=2, intermediate_size=64)
-
-# name -> (architecture, config overrides, save_pretrained kwargs)
-VARIANTS = {
-    # Layer 0 dense; 8 experts in 4 groups of which the best 2 are eligible; 2 shared experts;
-    # renormalised weights scaled by 2.5; QK norm; RoPE on half of each 16-dim head (default).
-    "glm4_moe": ("glm4_moe", {"num_hidden_layers": 3, "first_k_dense_replace": 1,
-                              "n_routed_experts": 8, "moe_intermediate_size": 32,
-                              "n_shared_experts": 2, "n_group": 4, "topk_group": 2,
-                              "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-                              "use_qk_norm": True}, {}),
-    # Every layer sparse, one group, no QK norm, weights not renormalised, q/k/v biases.
-    "glm4_moe_plain": ("glm4_moe", {"num_hidden_layers": 2, "first_k_dense_replace": 0,
-                                    "n_routed_experts": 4, "moe_intermediate_size": 48,
-                                    "n_shared_experts": 1, "norm_topk_prob": False,
-                                    "use_qk_norm": False, "attention_bias": True,
-                                    "partial_rotary_factor": 0.75}, {}),
-}
-
-
-@pytest.fixture(scope="module")
-def glm_checkpoint(tmp_path_factory):
-    """glm_checkpoint(name) -> TinyCheckpoint whose routers have a random, non-zero correction
-    bias (transformers initialises it to zeros, which would leave the bias path untested)."""
-    built = {}
-
-    def get(name: str):
-        if name not in built:
-            ckpt = build_checkpoint(name, tmp_path_factory.mktemp(name), VARIANTS, BASE)
-            generator = torch.Generator().manual_seed(3)
-            for layer in ckpt.model.model.layers:
-                if hasattr(layer.mlp, "gate"):
-                    bias = layer.mlp.gate.e_score_correction_bias
-                    bias.copy_(torch.rand(bias.shape, generator=generator) * 0.4 - 0.2)
-            ckpt.model.save_pretrained(ckpt.path)
-            built[name] = ckpt
-        return built[name]
-
-    return get
-
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_tokens_match_transformers(glm_checkpoint, variant):
-    ckpt = glm_checkpoint(variant)
+def test_greedy_tokens_match_transformers(moe_checkpoint, variant):
+    ckpt = moe_checkpoint(variant)
     llm = LLM(ckpt.path, dtype="float32", enable_prefix_caching=False)
     prompts = random_prompts(PARITY_LENGTHS, seed=1)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
@@ -71,16 +30,16 @@ def test_greedy_tokens_match_transformers(glm_checkpoint, variant):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_at_every_position_match_transformers(glm_checkpoint, variant):
-    ckpt = glm_checkpoint(variant)
+def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
+    ckpt = moe_checkpoint(variant)
     engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
     [prompt] = random_prompts([300], seed=2)
     tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
     assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
 
 
-def test_layers_follow_first_k_dense_replace_and_load_the_bias(glm_checkpoint):
-    ckpt = glm_checkpoint("glm4_moe")
+def test_layers_follow_first_k_dense_replace_and_load_the_bias(moe_checkpoint):
+    ckpt = moe_checkpoint("glm4_moe")
     layers = LLM(ckpt.path, dtype="float32").engine.model.model.layers
     assert [type(layer.mlp) for layer in layers] == [LlamaMLP, Glm4MoeSparseBlock,
                                                      Glm4MoeSparseBlock]
@@ -110,16 +69,16 @@ def rewrite_weights(src, dst, edit):
     ("model.layers.1.mlp.shared_experts.up_proj.weight",
      r"missing tensors for: model\.layers\.1\.mlp\.shared_experts\.gate_up_proj\.weight"),
 ])
-def test_missing_tensor_is_named(glm_checkpoint, tmp_path, name, message):
-    path = rewrite_weights(glm_checkpoint("glm4_moe").path, tmp_path / "ckpt",
+def test_missing_tensor_is_named(moe_checkpoint, tmp_path, name, message):
+    path = rewrite_weights(moe_checkpoint("glm4_moe").path, tmp_path / "ckpt",
                            lambda tensors: tensors.pop(name))
     with pytest.raises(ValueError, match=message):
         LLM(path)
 
 
-def test_mtp_layer_tensors_are_skipped(glm_checkpoint, tmp_path):
+def test_mtp_layer_tensors_are_skipped(moe_checkpoint, tmp_path):
     """GLM-4.5 checkpoints carry num_nextn_predict_layers extra layers after the last one."""
-    ckpt = glm_checkpoint("glm4_moe_plain")
+    ckpt = moe_checkpoint("glm4_moe_plain")
 
     def add_mtp_layer(tensors):
         tensors["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
@@ -132,8 +91,8 @@ def test_mtp_layer_tensors_are_skipped(glm_checkpoint, tmp_path):
     assert all(torch.equal(with_mtp[key], without[key]) for key in without)
 
 
-def test_experts_stacked_by_transformers_load_the_same(glm_checkpoint, tmp_path):
-    ckpt = glm_checkpoint("glm4_moe_plain")
+def test_experts_stacked_by_transformers_load_the_same(moe_checkpoint, tmp_path):
+    ckpt = moe_checkpoint("glm4_moe_plain")
     ckpt.model.save_pretrained(tmp_path, save_original_format=False)
     assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(
         str(tmp_path / "model.safetensors")).keys()
