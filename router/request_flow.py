@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.common.convert import engine_params_to_proto, finish_reason_from_proto
+from tandem.common.convert import (engine_params_to_proto, finish_reason_from_proto,
+                                   finish_reason_to_proto)
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.sampling_params import SamplingParams
@@ -208,10 +209,7 @@ class RequestFlow:
         self.metrics.requests_finished.labels(status=finish_reason or "unknown").inc()
         return generate_pb2.Complete(
             request_id=self.request.request_id,
-            finish_reason={"stop": generate_pb2.FINISH_REASON_STOP,
-                           "length": generate_pb2.FINISH_REASON_LENGTH,
-                           "abort": generate_pb2.FINISH_REASON_ABORT}.get(
-                               finish_reason, generate_pb2.FINISH_REASON_UNSPECIFIED),
+            finish_reason=finish_reason_to_proto(finish_reason),
             matched_stop=self.output.matched_stop or "",
             usage=generate_pb2.Usage(prompt_tokens=len(self.request.prompt_token_ids),
                                      completion_tokens=num_tokens,

@@ -9,6 +9,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tandem.common.checkpoint_files import eos_token_ids
 from tandem.router.validation import ModelLimits
 from tandem.v1 import generate_pb2
 
@@ -33,11 +34,7 @@ class ModelFrontend:
             max_model_len=int(max_model_len or model_limit),
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)))
         self.architectures = list(config.get("architectures") or [])
-        eos = config.get("eos_token_id")
-        generation = path / "generation_config.json"
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
-        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_token_ids = sorted(eos_token_ids(path, config.get("eos_token_id")))
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenize")
 
     async def prompt_token_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:

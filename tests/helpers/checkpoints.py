@@ -142,3 +142,28 @@ def paged_prefill_logits(engine, token_ids: list[int]) -> torch.Tensor:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def assert_greedy_parity(llm, ckpt: TinyCheckpoint, prompts: list[list[int]],
+                         num_new_tokens: int = 32) -> None:
+    """Tandem's greedy continuation of every prompt equals transformers' (EOS held off)."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=num_new_tokens, min_tokens=num_new_tokens)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.token_ids == ckpt.greedy(prompt, num_new_tokens), \
+            f"prompt of {len(prompt)} tokens diverged"
+        assert out.finish_reason == "length"
+
+
+def rewrite_weights(src: Path, dst: Path, edit) -> Path:
+    """Copy a single-file checkpoint to dst and apply edit(tensors) to its weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

@@ -5,15 +5,14 @@ Not thread-safe: one thread drives `step()`.
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
@@ -62,7 +61,8 @@ class LLMEngine:
         self.resolved = ResolvedConfig(
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dtype=dtype, device=device,
             vocab_size=hf_config.vocab_size,
-            eos_token_ids=_eos_token_ids(Path(config.model), hf_config))
+            eos_token_ids=eos_token_ids(config.model,
+                                        getattr(hf_config, "eos_token_id", None)))
         self.hf_config = hf_config
         self.block_manager = BlockManager(num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -257,17 +257,3 @@ def _resolve_num_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_b
                          "lower max_model_len)")
     return num_blocks
 
-
-def _eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json when present (what transformers' generate uses),
-    else from config.json."""
-    eos = getattr(hf_config, "eos_token_id", None)
-    gen_path = model_path / "generation_config.json"
-    if gen_path.is_file():
-        try:
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"cannot read {gen_path}: {exc}") from exc
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)

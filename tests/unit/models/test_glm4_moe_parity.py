@@ -1,32 +1,26 @@
 """GLM-4-MoE against transformers on the same weights (fp32), and loading its checkpoints."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
-                                 relative_error)
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
+                                 random_prompts, relative_error, rewrite_weights)
 from helpers.moe_checkpoints import GLM_VARIANTS as VARIANTS
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.workers.models.glm4_moe import Glm4MoeSparseBlock
 from tandem.workers.models.llama import LlamaMLP
 
 NUM_NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_tokens_match_transformers(moe_checkpoint, variant):
     ckpt = moe_checkpoint(variant)
     llm = LLM(ckpt.path, dtype="float32", enable_prefix_caching=False)
-    prompts = random_prompts(PARITY_LENGTHS, seed=1)
-    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
-        assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
-            f"prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == "length"
+    assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=1))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -52,14 +46,6 @@ def test_layers_follow_first_k_dense_replace_and_load_the_bias(moe_checkpoint):
 
 
 # ---- loading -------------------------------------------------------------------------------
-
-def rewrite_weights(src, dst, edit):
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
 
 @pytest.mark.parametrize("name,message", [
     ("model.layers.2.mlp.experts.5.up_proj.weight",

@@ -7,28 +7,17 @@ to zero).
 """
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
-                                 relative_error)
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
+                                 random_prompts, relative_error, rewrite_weights)
 from helpers.moe_checkpoints import GPT_OSS_VARIANTS as VARIANTS
-from safetensors.torch import load_file, save_file
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.workers.models.gpt_oss import GptOssExperts
 
 NUM_NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
-
-
-def assert_greedy_parity(llm: LLM, ckpt, prompts: list[list[int]]) -> None:
-    outputs = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
-            f"prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -72,14 +61,6 @@ def test_layers_follow_layer_types_and_clamps_are_active(moe_checkpoint):
 
 
 # ---- loading -------------------------------------------------------------------------------
-
-def rewrite_weights(src, dst, edit):
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
 
 @pytest.mark.parametrize("name,message", [
     ("model.layers.1.self_attn.sinks", r"missing tensors for: model\.layers\.1\.self_attn\.attn\."

@@ -3,22 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
-                                 relative_error)
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
+                                 random_prompts, relative_error)
 
 from tandem import LLM, SamplingParams
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
 ALL_VARIANTS = ["llama", "llama_tied", "llama_rope3", "llama_sharded", "qwen3", "qwen3_tied"]
-
-
-def assert_greedy_parity(llm: LLM, ckpt, prompts: list[list[int]]) -> None:
-    outputs = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outputs):
-        expected = ckpt.greedy(prompt, NUM_NEW_TOKENS)
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)

@@ -7,8 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import random_prompts
-from safetensors.torch import load_file, save_file
+from helpers.checkpoints import random_prompts, rewrite_weights
 
 from tandem import LLM, SamplingParams
 from tandem.workers.engine.config import EngineConfig
@@ -37,35 +36,27 @@ def test_unreadable_config_is_named(checkpoint, tmp_path):
         LLM(tmp_path / "nowhere")
 
 
-def _rewrite_weights(path, edit):
-    tensors = load_file(str(path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 def test_missing_tensor_is_named(checkpoint, tmp_path):
-    path = copy_checkpoint(checkpoint("llama").path, tmp_path / "ckpt")
-    _rewrite_weights(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    path = rewrite_weights(checkpoint("llama").path, tmp_path / "ckpt",
+                           lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensors for: model\.layers\.1\.self_attn"
                                          r"\.qkv_proj\.weight"):
         LLM(path)
 
 
 def test_misshaped_tensor_is_named(checkpoint, tmp_path):
-    path = copy_checkpoint(checkpoint("llama").path, tmp_path / "ckpt")
-
     def shrink(tensors):
         name = "model.layers.0.mlp.down_proj.weight"
         tensors[name] = tensors[name][:, :10].contiguous()
 
-    _rewrite_weights(path, shrink)
+    path = rewrite_weights(checkpoint("llama").path, tmp_path / "ckpt", shrink)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*shape"):
         LLM(path)
 
 
 def test_unexpected_tensor_is_named(checkpoint, tmp_path):
-    path = copy_checkpoint(checkpoint("llama").path, tmp_path / "ckpt")
-    _rewrite_weights(path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    path = rewrite_weights(checkpoint("llama").path, tmp_path / "ckpt",
+                           lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="model.extra.weight"):
         LLM(path)
 

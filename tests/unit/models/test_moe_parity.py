@@ -2,29 +2,19 @@
 and the loader's handling of their expert tensors."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, paged_prefill_logits, random_prompts,
-                                 relative_error)
-from safetensors.torch import load_file, save_file
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
+                                 random_prompts, relative_error, rewrite_weights)
+from safetensors.torch import load_file
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.workers.models.llama import LlamaMLP
 from tandem.workers.models.qwen3_moe import SparseMoeBlock
 
 NUM_NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
 ALL_VARIANTS = ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"]
-
-
-def assert_greedy_parity(llm: LLM, ckpt, prompts: list[list[int]]) -> None:
-    outputs = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
-            f"prompt of {len(prompt)} tokens diverged"
-        assert out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
@@ -75,14 +65,6 @@ def test_qwen3_moe_parity_under_preemption(moe_checkpoint):
 
 
 # ---- loading expert tensors ---------------------------------------------------------------
-
-def rewrite_weights(src, dst, edit):
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
 
 @pytest.mark.parametrize("variant,name,message", [
     ("qwen3_moe", "model.layers.2.mlp.experts.5.up_proj.weight",
