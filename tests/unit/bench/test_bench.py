@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 
 import grpc
 import numpy as np
 import pytest
+
+from helpers.standin_server import serve_generate
 
 from tandem import cli
 from tandem.bench import BenchmarkConfig, BenchmarkError, run_benchmark
@@ -204,24 +205,8 @@ class ScriptedGenerate(generate_pb2_grpc.GenerateServicer):
 @pytest.fixture(scope="module")
 def router():
     """host:port of a ScriptedGenerate grpc.aio server running in a background thread."""
-    loop, started, state = asyncio.new_event_loop(), threading.Event(), {}
-
-    async def serve():
-        server = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateServicer_to_server(ScriptedGenerate(), server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
-        state["stop"] = asyncio.Event()
-        await server.start()
-        started.set()
-        await state["stop"].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    yield f"127.0.0.1:{state['port']}"
-    loop.call_soon_threadsafe(state["stop"].set)
-    thread.join(10)
+    with serve_generate(ScriptedGenerate()) as address:
+        yield address
 
 
 @pytest.mark.parametrize("load", [dict(concurrency=4), dict(rate=400.0)])

@@ -6,11 +6,12 @@ three chunks of two tokens each, so tests read back exactly which fields the cli
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import pytest
 from google.protobuf import text_format
+
+from helpers.standin_server import serve_generate
 
 from tandem import cli
 from tandem.client import AsyncTandemClient, TandemClient, build_request
@@ -52,26 +53,8 @@ class EchoGenerate(generate_pb2_grpc.GenerateServicer):
 @pytest.fixture(scope="module")
 def router():
     """host:port of an EchoGenerate grpc.aio server running in a background thread."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state = {}
-
-    async def serve():
-        server = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateServicer_to_server(EchoGenerate(), server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
-        state["stop"] = asyncio.Event()
-        await server.start()
-        started.set()
-        await state["stop"].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(10)
-    yield f"127.0.0.1:{state['port']}"
-    loop.call_soon_threadsafe(state["stop"].set)
-    thread.join(10)
+    with serve_generate(EchoGenerate()) as address:
+        yield address
 
 
 def echoed(result) -> pb.GenerateRequest:
