@@ -98,7 +98,9 @@ class Stack:
 def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: int = 1,
                 num_both: int = 0, worker_args: list[str] = (),
                 router_args: list[str] = ()) -> Stack:
-    """Workers first, then the router; returns once every process reports SERVING."""
+    """Workers first, then the router (as `tandem up` does: its first health check then sees
+    every worker, so requests spread over all of them from the start); returns once every
+    process reports SERVING."""
     workers: dict[str, Process] = {}
     roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
     by_role: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
@@ -110,6 +112,11 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
                                          str(model), "--port", str(port), "--dtype", "float32",
                                          *worker_args], port, log_dir)
             by_role[role].append(workers[name].address)
+    try:
+        wait_serving(list(workers.values()))
+    except Exception:
+        stop(list(workers.values()))
+        raise
     port = free_port()
     router_cmd = ["tandem.router.server", "--model", str(model), "--port", str(port),
                   "--health-check-interval", "0.5", *router_args]
@@ -118,7 +125,6 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
             router_cmd += [f"--{role}", ",".join(addresses)]
     stack = Stack(start("router", router_cmd, port, log_dir), workers)
     try:
-        wait_serving(list(workers.values()))
         wait_serving([stack.router])
     except Exception:
         stop(stack.processes)
