@@ -8,6 +8,7 @@ import torch
 from tandem.workers.ops.backend import KERNEL_CHOICES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "half": "float16"}
 
@@ -30,6 +31,9 @@ class EngineConfig:
     seed: int = 0
     # A prefill worker frees pinned KV that no decode worker released within this many seconds.
     kv_lease_seconds: float = 30.0
+    # auto: the checkpoint's safetensors; dummy: random weights made on the device (benchmarks
+    # of full-size shapes need only a config.json).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -44,6 +48,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is not one of "
+                             f"{', '.join(LOAD_FORMATS)}")
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds={self.kv_lease_seconds} must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

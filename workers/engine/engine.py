@@ -54,7 +54,8 @@ class LLMEngine:
                     ",".join(hf_config.architectures or []), device, str(dtype).split(".")[-1],
                     backend.value)
         torch.manual_seed(config.seed)
-        self.model = build_model(hf_config, config.model, dtype, device, backend)
+        self.model = build_model(hf_config, config.model, dtype, device, backend,
+                                 config.load_format)
         num_kv_blocks = _resolve_num_kv_blocks(config, max_model_len,
                                                kv_cache_bytes_per_block(self.model,
                                                                         config.block_size, dtype))

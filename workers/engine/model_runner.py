@@ -97,7 +97,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits [N, V] (fp32) for the sampled sequences of the batch, in batch order."""
-        inputs = self.prepare_inputs(batch)
+        return self.execute(self.prepare_inputs(batch))
+
+    @torch.inference_mode()
+    def execute(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits [N, V] (fp32) for prepared inputs (every TP rank runs the same inputs)."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, D]
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

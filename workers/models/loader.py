@@ -160,8 +160,10 @@ def _copy_whole(param: nn.Parameter, tensor: torch.Tensor) -> None:
 
 
 def build_model(config: Any, model_path: str | Path, dtype: torch.dtype,
-                device: torch.device, backend: KernelBackend) -> nn.Module:
-    """Construct the model class for `config` on `device` in `dtype` and load its weights."""
+                device: torch.device, backend: KernelBackend, load_format: str = "auto"
+                ) -> nn.Module:
+    """Construct the model class for `config` on `device` in `dtype` and load its weights
+    (load_format "dummy": fill them with seeded random values instead)."""
     model_cls = resolve_model_class(config)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -170,5 +172,24 @@ def build_model(config: Any, model_path: str | Path, dtype: torch.dtype,
             model = model_cls(config, backend)
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_weights(model, model_path)
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        load_weights(model, model_path)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, scale: float = 0.02) -> None:
+    """Random weights in [-scale, scale], made where the parameters live (no host copy).
+
+    Norm weights (names ending in "norm.weight") become 1 + noise so activations keep their
+    scale through many layers; the values are for timing, not for text.
+    """
+    for name, param in model.named_parameters():
+        if param.dtype.is_floating_point:
+            param.uniform_(-scale, scale)
+            if name.endswith("norm.weight"):
+                param.add_(1.0)
+    logger.info("filled %.1f MB of dummy weights", sum(
+        p.numel() * p.element_size() for p in model.parameters()) / 1e6)

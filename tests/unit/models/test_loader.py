@@ -119,3 +119,21 @@ def test_text_prompt_without_tokenizer_is_named(checkpoint, tmp_path):
     with_tokenizer = LLM(checkpoint("llama").path, dtype="float32")
     [out] = with_tokenizer.generate("Paris is", SamplingParams(temperature=0, max_tokens=4))
     assert out.text == with_tokenizer.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_dummy_load_format_needs_only_the_config(checkpoint, tmp_path):
+    """load_format="dummy" builds the model from config.json alone, with seeded random weights
+    (what bench/engine.py uses for full-size shapes), and the engine runs on them."""
+    shutil.copy(checkpoint("llama").path / "config.json", tmp_path / "config.json")
+    outputs = []
+    for _ in range(2):
+        llm = LLM(tmp_path, dtype="float32", load_format="dummy", max_model_len=128)
+        weights = dict(llm.engine.model.named_parameters())
+        norm = weights["model.norm.weight"]
+        assert 0.95 < norm.min() and norm.max() < 1.05  # norms near 1, not raw noise
+        assert weights["lm_head.weight"].abs().max() <= 0.02 + 1e-6
+        [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        outputs.append(out.token_ids)
+    assert outputs[0] == outputs[1]  # seeded: the same weights twice
+    with pytest.raises(ValueError, match="load_format='safetensors'"):
+        EngineConfig(model=str(tmp_path), load_format="safetensors")
