@@ -34,6 +34,8 @@ class EngineConfig:
     # auto: the checkpoint's safetensors; dummy: random weights made on the device (benchmarks
     # of full-size shapes need only a config.json).
     load_format: str = "auto"
+    # GPU decode steps replay CUDA graphs (aiter-triton kernels); True runs every step eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

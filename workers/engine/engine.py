@@ -18,13 +18,14 @@ from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import DTYPES, EngineConfig, ResolvedConfig
+from tandem.workers.engine.cuda_graphs import default_capture_sizes
 from tandem.workers.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from tandem.workers.engine.sampler import Sampler, advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
 from tandem.workers.models.loader import build_model, load_hf_config
-from tandem.workers.ops.backend import resolve_backend
+from tandem.workers.ops.backend import KernelBackend, resolve_backend
 
 logger = get_logger(__name__)
 
@@ -70,6 +71,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
+        if device.type == "cuda" and backend is KernelBackend.AITER_TRITON \
+                and not config.enforce_eager:
+            self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
+                                           max_model_len)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tandem.common.logging import get_logger
+from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import Attention, AttentionMetadata
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         layers = attention_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers")
@@ -54,6 +56,11 @@ class ModelRunner:
         total = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
         logger.info("KV cache: %d blocks x %d tokens, %d layers, %.1f MB", num_kv_blocks,
                     block_size, len(layers), total / 1e6)
+
+    def enable_cuda_graphs(self, capture_sizes: list[int], max_model_len: int) -> None:
+        """Capture decode graphs; later decode batches up to the largest size replay them."""
+        self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
+                                   self.device)
 
     def prepare_inputs(self, batch: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []
@@ -102,6 +109,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [N, V] (fp32) for prepared inputs (every TP rank runs the same inputs)."""
+        meta = inputs.meta
+        if self.graphs is not None and inputs.logits_indices.numel() == meta.num_seqs \
+                and self.graphs.can_run(meta.num_seqs, meta.max_query_len,
+                                        meta.block_tables.shape[1]):
+            # One token per sequence, every one sampled: logits_indices is 0..B-1.
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta).float()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, D]
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

@@ -106,7 +106,9 @@ class GptOssMLP(nn.Module):
                                      config.intermediate_size, bias=True,
                                      activation="swigluoai",
                                      swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
-                                     swiglu_limit=config.swiglu_limit, backend=backend)
+                                     swiglu_limit=config.swiglu_limit,
+                                     # AITER's fused_moe has no biases or clamped SwiGLU.
+                                     backend=KernelBackend.TORCH)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         router_logits = self.router(hidden)  # [T, E]

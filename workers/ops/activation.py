@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 
 
 class SiluAndMul(nn.Module):
@@ -13,8 +13,13 @@ class SiluAndMul(nn.Module):
 
     def __init__(self, backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
-        self.backend = require_torch_backend(backend, "silu_and_mul")
+        if backend not in (KernelBackend.TORCH, KernelBackend.AITER_TRITON):
+            raise ValueError(f"silu_and_mul: kernel backend {backend.value!r} is not implemented")
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        if self.backend is KernelBackend.AITER_TRITON:
+            from tandem.workers.ops.gpu.activation import silu_and_mul
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -43,6 +43,7 @@ class AiterTriton:
 
     fused_moe: Callable[..., None]  # aiter.ops.triton.moe_op.fused_moe
     moe_op: types.ModuleType  # aiter.ops.triton.moe_op
+    unified_attention: Callable[..., None]  # aiter.ops.triton.unified_attention (paged, varlen)
     tl: types.ModuleType  # triton.language (fused_moe takes a tl dtype as compute_type)
     on_cuda: bool  # the NVIDIA patches were applied
 
@@ -137,11 +138,14 @@ def load_aiter_triton() -> AiterTriton:
             if on_cuda:
                 _patch_for_cuda()
             moe_op = importlib.import_module("aiter.ops.triton.moe_op")
+            attention = importlib.import_module("aiter.ops.triton.unified_attention")
         except ImportError as e:
             raise AiterUnavailableError(
                 f"importing AITER's Triton kernels failed ({type(e).__name__}: {e}); "
                 f"this needs {INSTALL_HINT}==0.1.7.post2.dev18 or a compatible version") from e
         if on_cuda:  # moe_op bound get_num_xcds by name at its import
             moe_op.get_num_xcds = lambda: 1
-        _loaded = AiterTriton(fused_moe=moe_op.fused_moe, moe_op=moe_op, tl=tl, on_cuda=on_cuda)
+        _loaded = AiterTriton(fused_moe=moe_op.fused_moe, moe_op=moe_op,
+                              unified_attention=attention.unified_attention, tl=tl,
+                              on_cuda=on_cuda)
         return _loaded

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.linear import tp_rank_and_size
 
 
@@ -79,7 +79,8 @@ class Attention(nn.Module):
                              f"num_kv_heads={num_kv_heads}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None for none)")
-        require_torch_backend(backend, "attention")
+        if backend not in (KernelBackend.TORCH, KernelBackend.AITER_TRITON):
+            raise ValueError(f"attention: kernel backend {backend.value!r} is not implemented")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -123,6 +124,9 @@ class Attention(nn.Module):
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
         if self.k_cache is None:
             raise RuntimeError("Attention.forward before bind_kv_cache")
+        if self.backend is KernelBackend.AITER_TRITON:
+            from tandem.workers.ops.attention_gpu import attention_forward_gpu
+            return attention_forward_gpu(self, q, k, v, meta)
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale,
                                      sliding_window=self.sliding_window, sinks=self.sinks)

@@ -1,36 +1,58 @@
-"""Which kernel library an op runs on. Each op resolves its backend once, at construction."""
+"""Which kernel library an op runs on. Each op resolves its backend once, at construction.
+
+    --kernels auto          aiter-triton on a GPU when amd-aiter and triton are installed, else torch
+    --kernels aiter-triton  GPU only: AITER's Triton ops where they measure faster, our own Triton
+                            kernels (workers/ops/gpu/) elsewhere; bench/engine.py prints the choice
+    --kernels torch         plain PyTorch, any device: the reference every backend is tested against
+"""
 from __future__ import annotations
 
 import enum
+import importlib.util
+
+from tandem.workers.ops.aiter_compat import INSTALL_HINT, aiter_available
 
 
 class KernelBackend(str, enum.Enum):
-    TORCH = "torch"  # plain PyTorch: runs anywhere; the reference every other backend is tested against
-    AITER_TRITON = "aiter-triton"  # AITER's Triton kernels (CUDA and ROCm); a later issue
-    AITER = "aiter"  # AITER native kernels (ROCm); a later issue
+    TORCH = "torch"
+    AITER_TRITON = "aiter-triton"
+    AITER = "aiter"  # AITER's native (ROCm, compiled) kernels: not built yet
 
 
 KERNEL_CHOICES = ("auto",) + tuple(b.value for b in KernelBackend)
 
 
-def resolve_backend(name: str, device_type: str) -> KernelBackend:
-    """Map the --kernels choice to a backend available on this device.
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
-    `auto` is torch for now: GPU backends land with the GPU-path issue and will be picked here
-    when a GPU and amd-aiter are present.
-    """
+
+def resolve_backend(name: str, device_type: str) -> KernelBackend:
+    """Map the --kernels choice to a backend that can run on this device, or say why not."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"kernels={name!r} is not one of {', '.join(KERNEL_CHOICES)}")
+    on_gpu = device_type == "cuda"  # ROCm builds of torch report "cuda" too
     if name == "auto":
+        if on_gpu and triton_available() and aiter_available():
+            return KernelBackend.AITER_TRITON
         return KernelBackend.TORCH
     backend = KernelBackend(name)
-    if backend is not KernelBackend.TORCH:
-        raise ValueError(f"kernels={name!r} is not available yet on {device_type}; use 'torch'")
+    if backend is KernelBackend.AITER:
+        raise ValueError("kernels='aiter' (AITER's compiled ROCm kernels) is not available yet; "
+                         "use 'aiter-triton' or 'torch'")
+    if backend is KernelBackend.AITER_TRITON:
+        if not on_gpu:
+            raise ValueError(f"kernels='aiter-triton' needs a GPU; device is {device_type!r} "
+                             "(use 'torch' or 'auto')")
+        if not triton_available():
+            raise ValueError("kernels='aiter-triton' needs triton (it comes with GPU builds of "
+                             "torch)")
+        if not aiter_available():
+            raise ValueError(f"kernels='aiter-triton' needs amd-aiter: {INSTALL_HINT}")
     return backend
 
 
 def require_torch_backend(backend: KernelBackend, op: str) -> KernelBackend:
-    """Ops call this at construction until their GPU backends land."""
+    """For ops that have only the torch implementation."""
     if backend is not KernelBackend.TORCH:
         raise ValueError(f"{op}: kernel backend {backend.value!r} is not implemented yet")
     return backend

@@ -4,14 +4,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6,
                  backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
-        self.backend = require_torch_backend(backend, "rms_norm")
+        if backend not in (KernelBackend.TORCH, KernelBackend.AITER_TRITON):
+            raise ValueError(f"rms_norm: kernel backend {backend.value!r} is not implemented")
+        self.backend = backend
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
@@ -24,7 +26,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s)."""
+        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s).
+
+        On aiter-triton (one fused kernel) s is written into `residual` itself: callers must
+        use the returned s and not the residual tensor they passed in.
+        """
+        if self.backend is KernelBackend.AITER_TRITON:
+            from tandem.workers.ops.gpu.norm import rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, residual), residual
         if residual is None:
             return self._norm(x)
         summed = x + residual

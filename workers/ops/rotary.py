@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -160,7 +160,10 @@ class RotaryEmbedding(nn.Module):
                  backend: KernelBackend = KernelBackend.TORCH, *,
                  is_neox_style: bool = True) -> None:
         super().__init__()
-        self.backend = require_torch_backend(backend, "rotary_embedding")
+        if backend not in (KernelBackend.TORCH, KernelBackend.AITER_TRITON):
+            raise ValueError(f"rotary_embedding: kernel backend {backend.value!r} is not "
+                             "implemented")
+        self.backend = backend
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or rotary_dim_of(head_dim, params)
         self.is_neox_style = is_neox_style
@@ -177,7 +180,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k)."""
+        """positions [T]; q [T, H, D]; k [T, KVH, D] -> rotated (q, k).
+
+        On aiter-triton q and k are rotated in place (one kernel) and returned.
+        """
+        if self.backend is KernelBackend.AITER_TRITON and q.stride(-1) == 1 \
+                and k.stride(-1) == 1:
+            from tandem.workers.ops.gpu.rope import rotary_embedding_
+            rotary_embedding_(positions, q, k, self.cos, self.sin, self.is_neox_style)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, R/2]
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,256 @@
+"""The engine against the device's limits, in one run on one GPU.
+
+    python -m tandem.bench.engine --out results.json            # everything (about 5-8 min)
+    python -m tandem.bench.engine --models qwen3-30b-a3b --no-ops --no-hf
+
+Order: measure copy bandwidth and the bf16 matmul rate; time the aiter-triton ops against their
+alternatives; then per model (random bf16 weights made on the GPU): decode steps at each batch
+x context (KV of prefilled requests installed the way a decode worker receives them), prefill
+of one prompt per length, and for llama3-8b the same batch-1 decode through HF transformers.
+
+Reported per decode case: `model step` (one CUDA-graph replay, embedding to logits, timed with
+CUDA events) as a ratio to its floor = (weights + chosen experts + KV read) / copy bandwidth,
+and `engine step` (LLMEngine.step() wall time: schedule, inputs, replay, sampling). Prefill:
+the step's time against FLOPs / matmul rate. The table is printed last; --out keeps the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.bench.engine_limits import DeviceLimits, measure_limits, shape_of, time_cuda
+from tandem.bench.engine_models import MODELS, weight_bytes, write_model_dir
+from tandem.common.sampling_params import SamplingParams
+
+GiB = 1 << 30
+
+
+def _engine(model_dir: Path, args: argparse.Namespace):
+    from tandem.workers.engine.config import EngineConfig
+    from tandem.workers.engine.engine import LLMEngine
+
+    free, _ = torch.cuda.mem_get_info()
+    kv_budget = free - weight_bytes(model_dir) - args.reserve_gib * GiB
+    if kv_budget < GiB:
+        raise RuntimeError(f"{model_dir.name}: weights leave {kv_budget / GiB:.1f} GiB for KV")
+    max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill) + 8)
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
+        max_model_len=max_len, max_num_seqs=max(args.batches),
+        max_num_batched_tokens=max(args.prefill), kv_cache_memory_bytes=kv_budget,
+        enable_prefix_caching=False))
+
+
+def _install_prefilled(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
+    """batch requests whose first `context` tokens' KV is in place (random values)."""
+    vocab = engine.resolved.vocab_size
+    ids = []
+    for i in range(batch):
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        seq = engine.reserve_prefilled(prompt, [1], params, f"decode-{batch}-{context}-{i}")
+        if seq is None:
+            raise RuntimeError("KV blocks ran out")
+        engine.activate_prefilled(seq, context)
+        ids.append(seq.request_id)
+    return ids
+
+
+def _experts_read(engine, inputs) -> int:
+    """Distinct routed experts chosen in this step, summed over MoE layers (one eager pass)."""
+    from tandem.workers.ops.moe import FusedMoE
+
+    counts: list[int] = []
+    hooks = [m.register_forward_pre_hook(
+        lambda _m, a: counts.append(int(torch.unique(a[2]).numel())))
+        for m in engine.model.modules() if isinstance(m, FusedMoE)]
+    try:
+        with torch.inference_mode():
+            engine.model(inputs.input_ids, inputs.positions, inputs.meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(counts)
+
+
+def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
+                 steps: int) -> dict:
+    blocks = batch * -(-(context + steps + 2) // engine.config.block_size)
+    if blocks > engine.block_manager.num_free_blocks:
+        return {"skipped": f"needs {blocks} KV blocks, {engine.block_manager.num_free_blocks} "
+                           "fit in this GPU's memory"}
+    ids = _install_prefilled(engine, batch, context, torch.Generator().manual_seed(batch))
+    try:
+        walls = []
+        for _ in range(steps):  # whole engine steps: the graphs are warm after the first
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - started)
+        inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
+        model_s = time_cuda(lambda: engine.runner.execute(inputs))
+        experts = _experts_read(engine, inputs) if shape.num_moe_layers else 0
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+    ctx = context + steps + 1  # keys read by the timed step
+    floor_bytes = shape.decode_bytes(batch, ctx, experts)
+    floor_s = floor_bytes / limits.copy_bytes_per_s
+    return {"model_step_ms": model_s * 1e3, "engine_step_ms": statistics.median(walls[1:]) * 1e3,
+            "floor_ms": floor_s * 1e3, "ratio": model_s / floor_s,
+            "bytes_read_GB": floor_bytes / 1e9, "experts_read": experts,
+            "graphed": engine.runner.graphs is not None}
+
+
+def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 3) -> dict:
+    gen = torch.Generator().manual_seed(length)
+    vocab = engine.resolved.vocab_size
+    times = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        prompt = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
+    flops = shape.prefill_flops(length)
+    return {"ms": seconds * 1e3, "TFLOPs": flops / seconds / 1e12,
+            "floor_ms": flops / limits.matmul_flops_per_s * 1e3,
+            "matmul_fraction": flops / seconds / limits.matmul_flops_per_s}
+
+
+def bench_hf_decode(model_dir: Path, context: int, steps: int = 12) -> float:
+    """HF transformers' eager decode step (SDPA, dynamic cache) at batch 1: median seconds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, config.vocab_size, (1, context), device="cuda")
+    times = []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+    del model, out
+    return statistics.median(times[2:])
+
+
+def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
+    model_dir = write_model_dir(name, root)
+    engine = _engine(model_dir, args)
+    top_k = getattr(engine.hf_config, "num_experts_per_tok", 0)
+    shape = shape_of(engine.model, engine.hf_config, top_k)
+    for cache in engine.runner.kv_caches:
+        for tensor in cache:
+            tensor.uniform_(-1, 1)  # random KV: never time on zeros
+    result: dict = {"weights_GB": shape.dense_weight_bytes / 1e9, "decode": {}, "prefill": {}}
+    for context in args.contexts:
+        for batch in args.batches:
+            row = bench_decode(engine, shape, limits, batch, context, args.steps)
+            result["decode"][f"{batch}x{context}"] = row
+            print(f"  {name} decode {batch}x{context}: {row}", flush=True)
+    for length in args.prefill:
+        row = bench_prefill(engine, shape, limits, length)
+        result["prefill"][str(length)] = row
+        print(f"  {name} prefill {length}: {row}", flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    if name == "llama3-8b" and not args.no_hf:
+        context = min(args.contexts)
+        hf_s = bench_hf_decode(model_dir, context)
+        floor_s = shape.decode_bytes(1, context, 0) / limits.copy_bytes_per_s
+        result["hf_decode_bs1"] = {"context": context, "ms": hf_s * 1e3,
+                                   "ratio": hf_s / floor_s}
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_table(results: dict) -> str:
+    lim = results["limits"]
+    lines = [f"{lim['device']}: copy {lim['copy_TBps']:.2f} TB/s, bf16 matmul "
+             f"{lim['bf16_matmul_TFLOPs']:.0f} TFLOP/s, kernels={results['kernels']}"]
+    for row in results.get("ops", []):
+        frac = f"  {row['copy_fraction']:.0%} of copy BW" if "copy_fraction" in row else ""
+        mark = "*" if row["chosen"] else " "
+        lines.append(f"  op {mark} {row['op']:<28} {row['shape']:<24} {row['impl']:<34} "
+                     f"{row['us']:8.1f} us{frac}")
+    lines.append(f"{'model':<14} {'case':<18} {'model step':>11} {'floor':>9} {'ratio':>7} "
+                 f"{'engine step':>12}")
+    for name, res in results["models"].items():
+        for case, row in res["decode"].items():
+            if "skipped" in row:
+                lines.append(f"{name:<14} decode {case:<11} skipped: {row['skipped']}")
+                continue
+            lines.append(f"{name:<14} decode {case:<11} {row['model_step_ms']:8.2f} ms "
+                         f"{row['floor_ms']:6.2f} ms {row['ratio']:6.2f}x "
+                         f"{row['engine_step_ms']:9.2f} ms")
+        for length, row in res["prefill"].items():
+            lines.append(f"{name:<14} prefill {length:<10} {row['ms']:8.1f} ms "
+                         f"{row['floor_ms']:6.1f} ms  {row['matmul_fraction']:.0%} of matmul "
+                         f"rate ({row['TFLOPs']:.0f} TFLOP/s)")
+        if "hf_decode_bs1" in res:
+            hf = res["hf_decode_bs1"]
+            lines.append(f"{name:<14} HF decode 1x{hf['context']:<6} {hf['ms']:8.2f} ms "
+                         f"{'':>9} {hf['ratio']:6.2f}x  (transformers eager, same floor)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama3-8b,qwen3-30b-a3b",
+                        help=f"comma-separated, from: {', '.join(MODELS)}")
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--prefill", default="2048,8192")
+    parser.add_argument("--steps", type=int, default=8, help="engine steps timed per case")
+    parser.add_argument("--kernels", default="aiter-triton")
+    parser.add_argument("--reserve-gib", type=float, default=6.0,
+                        help="GPU memory left for activations and graphs")
+    parser.add_argument("--no-ops", action="store_true")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    for field in ("batches", "contexts", "prefill"):
+        setattr(args, field, [int(v) for v in getattr(args, field).split(",") if v])
+    if not torch.cuda.is_available():
+        print("bench/engine.py needs a CUDA or ROCm GPU", file=sys.stderr)
+        return 2
+    limits = measure_limits()
+    results: dict = {"limits": limits.as_dict(), "kernels": args.kernels, "models": {}}
+    print(f"limits: {results['limits']}", flush=True)
+    if not args.no_ops:
+        from tandem.bench.engine_ops import op_rows
+        results["ops"] = op_rows(limits)
+    with tempfile.TemporaryDirectory() as root:
+        for name in filter(None, args.models.split(",")):
+            results["models"][name] = bench_model(name, Path(root), limits, args)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The aiter-triton backend's kernels against the torch reference ops, on random inputs.
+
+Attention: several batch shapes, GQA ratios, head sizes, block sizes and context lengths that
+cross block boundaries; sliding windows and sinks; decode (our split-KV kernel), fresh prefill
+(SDPA) and prefill over a cached context (AITER unified_attention). Outputs are poisoned
+(NaN-filled caches outside the written slots) so an unwritten or misread element fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.workers.ops.aiter_compat import aiter_available
+
+pytest.importorskip("triton", reason="the aiter-triton backend needs triton")
+if not aiter_available() or not torch.cuda.is_available():
+    pytest.skip("needs a GPU and amd-aiter (pip install amd-aiter)", allow_module_level=True)
+
+from tandem.workers.ops.activation import SiluAndMul  # noqa: E402
+from tandem.workers.ops.attention import (  # noqa: E402
+    Attention, AttentionMetadata, paged_attention_torch)
+from tandem.workers.ops.backend import KernelBackend  # noqa: E402
+from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
+from tandem.workers.ops.gpu.paged_decode import (  # noqa: E402
+    num_splits_for, paged_decode_attention)
+from tandem.workers.ops.norm import RMSNorm  # noqa: E402
+from tandem.workers.ops.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda"
+AITER = KernelBackend.AITER_TRITON
+BF16_REL = 1e-2
+FP32_REL = 1e-5
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, dtype, seed):
+    """Caches holding each sequence's keys in shuffled blocks (the rest NaN), and metadata."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    order = torch.randperm(num_blocks, generator=gen, device=DEV).tolist()
+    tables, slots, starts = [], [], [0]
+    for n, q_len, nb in zip(seq_lens, query_lens, blocks_per_seq):
+        table, order = order[:nb], order[nb:]
+        tables.append(table)
+        for pos in range(n):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            if pos >= n - q_len:
+                slots.append(slot)  # this step writes it
+            else:  # context from earlier steps
+                k_cache.view(-1, num_kv_heads, head_dim)[slot] = torch.randn(
+                    num_kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
+                v_cache.view(-1, num_kv_heads, head_dim)[slot] = torch.randn(
+                    num_kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
+        starts.append(starts[-1] + q_len)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=DEV),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device=DEV),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc_host=starts, seq_lens_host=list(seq_lens))
+    return k_cache, v_cache, meta, gen
+
+
+ATTENTION_CASES = [
+    # seq_lens, query_lens, heads, kv_heads, head_dim, block_size
+    ([1, 17, 300, 4096], [1, 1, 1, 1], 32, 8, 128, 16),  # decode, GQA 4
+    ([33, 1000], [1, 1], 8, 8, 64, 32),  # decode, MHA
+    ([129, 2], [1, 1], 16, 2, 128, 16),  # decode, GQA 8
+    ([40, 77], [40, 77], 32, 8, 128, 16),  # fresh prefill
+    ([40, 300, 9], [7, 100, 1], 32, 8, 128, 16),  # prefill over cached context + a decode
+    ([64, 65], [64, 30], 8, 4, 64, 32),  # prefix hit ending on a block boundary
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_matches_reference(case, sinks, window, dtype):
+    seq_lens, query_lens, heads, kv_heads, head_dim, block_size = case
+    k_cache, v_cache, meta, gen = paged_case(seq_lens, query_lens, kv_heads, head_dim,
+                                             block_size, dtype, seed=sum(seq_lens))
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, head_dim, generator=gen, device=DEV).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
+    layers = {}
+    for backend in (KernelBackend.TORCH, AITER):
+        layer = Attention(heads, head_dim, head_dim ** -0.5, kv_heads, backend,
+                          sliding_window=window, has_sinks=sinks).to(DEV)
+        if sinks:
+            layer.sinks.data = torch.randn(heads, generator=gen, device=DEV)
+        layer.bind_kv_cache(k_cache.clone(), v_cache.clone())
+        layers[backend] = layer
+    layers[AITER].sinks = layers[KernelBackend.TORCH].sinks
+    ref = layers[KernelBackend.TORCH](q, k, v, meta)
+    out = layers[AITER](q, k, v, meta)
+    assert rel(out, ref) <= (BF16_REL if dtype == torch.bfloat16 else FP32_REL)
+    # the KV write landed in the same slots, bit for bit
+    assert torch.equal(layers[AITER].k_cache.nan_to_num(7.0),
+                       layers[KernelBackend.TORCH].k_cache.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 64])
+def test_split_counts_agree(num_splits):
+    k_cache, v_cache, meta, gen = paged_case([5, 700, 2049], [1, 1, 1], 4, 128, 16,
+                                             torch.bfloat16, seed=num_splits)
+    q = torch.randn(3, 16, 128, generator=gen, device=DEV).to(torch.bfloat16)
+    k_cache.nan_to_num_(0.0)  # this case writes nothing: the slots of the new token hold 0
+    v_cache.nan_to_num_(0.0)
+    ref = paged_attention_torch(q, k_cache, v_cache, meta, 128 ** -0.5)
+    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                 128 ** -0.5, num_splits=num_splits)
+    assert rel(out, ref) <= BF16_REL
+
+
+def test_split_count_choice():
+    assert num_splits_for(1, 8, 4096, 132) == 32  # batch 1 fills ~2 waves of SMs
+    assert num_splits_for(64, 8, 4096, 132) == 1  # batch 64 already does
+    assert num_splits_for(1, 8, 100, 132) == 1  # never a split shorter than a tile
+
+
+def test_kv_write_skips_padding_slots():
+    cache = torch.zeros(4, 16, 2, 64, device=DEV)
+    k = torch.randn(3, 2, 64, device=DEV)
+    write_kv_cache(k, k, cache, cache.clone(), torch.tensor([5, -1, 40], device=DEV))
+    flat = cache.view(-1, 2, 64)
+    assert torch.equal(flat[5], k[0]) and torch.equal(flat[40], k[2])
+    assert flat.abs().sum() == k[0].abs().sum() + k[2].abs().sum()  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("neox, partial", [(True, 1.0), (False, 1.0), (True, 0.5)])
+def test_rope_matches_reference(neox, partial, dtype):
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    ref_op = RotaryEmbedding(128, 4096, params, is_neox_style=neox).to(DEV)
+    op = RotaryEmbedding(128, 4096, params, backend=AITER, is_neox_style=neox).to(DEV)
+    qkv = torch.randn(300, (32 + 8 + 8) * 128, device=DEV).to(dtype)
+    q, k = qkv[:, :4096].view(300, 32, 128), qkv[:, 4096:5120].view(300, 8, 128)
+    positions = torch.randint(0, 4096, (300,), device=DEV)
+    ref_q, ref_k = ref_op(positions, q.clone(), k.clone())
+    out_q, out_k = op(positions, q, k)
+    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
+    assert rel(out_q, ref_q) <= tol and rel(out_k, ref_k) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, cols", [(1, 4096), (37, 5120), (2048, 2880)])
+def test_rms_norm_and_silu_match_reference(rows, cols, dtype):
+    ref_op, op = RMSNorm(cols, 1e-5).to(DEV, dtype), RMSNorm(cols, 1e-5, AITER).to(DEV, dtype)
+    weight = torch.rand(cols, device=DEV).to(dtype) + 0.5
+    ref_op.weight.data, op.weight.data = weight.clone(), weight.clone()
+    x = torch.randn(rows, cols, device=DEV).to(dtype)
+    residual = torch.randn(rows, cols, device=DEV).to(dtype)
+    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
+    assert rel(op(x), ref_op(x)) <= tol
+    ref_out, ref_sum = ref_op(x, residual.clone())
+    out, summed = op(x, residual.clone())
+    assert rel(out, ref_out) <= tol and rel(summed, ref_sum) <= tol
+    gate_up = torch.randn(rows, 2 * cols, device=DEV).to(dtype)
+    assert rel(SiluAndMul(AITER)(gate_up), SiluAndMul()(gate_up)) <= tol

@@ -1,0 +1,96 @@
+"""Paged attention on the aiter-triton backend: which kernel runs which kind of step.
+
+    step                                   kernel
+    decode (every query_len == 1)          paged_decode_attention (ours, split-KV, graph-safe)
+    prefill, nothing cached yet, no sinks  torch SDPA (flash) on this step's own K/V, per sequence
+    anything else (prefix-cache hits,      AITER unified_attention (paged, varlen, sinks,
+      later chunks, sinks)                   sliding window)
+
+Why: at small batch AITER's decode kernels leave most SMs idle (see paged_decode.py), and on an
+H200 torch SDPA's causal attention ran 1.5x faster than AITER's Triton flash attention at 8k
+tokens (shared/notes/aiter-on-cuda.md); unified_attention is the one kernel that reads a paged
+context for prefills that continue earlier chunks. bench/engine.py re-measures these choices.
+In float32 (a test dtype), prefills with cached context use the torch reference instead of
+unified_attention, whose tl.dot rounds fp32 to tf32.
+
+Nothing on the decode path reads host values that change between steps, so a CUDA graph
+captured with meta.max_seq_len = max_model_len replays correctly at any context length.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from tandem.workers.ops.aiter_compat import load_aiter_triton
+from tandem.workers.ops.gpu.kv_cache import write_kv_cache
+from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
+
+if TYPE_CHECKING:
+    from tandem.workers.ops.attention import Attention, AttentionMetadata
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> [T, H, D]; writes k/v to the cache."""
+    write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+    if meta.max_query_len == 1:
+        splits = num_splits_for(q.shape[0], layer.num_kv_heads, meta.max_seq_len,
+                                _num_sms(q.device.index or 0))
+        return paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.block_tables,
+                                      meta.seq_lens, layer.scale, num_splits=splits,
+                                      sliding_window=layer.sliding_window, sinks=layer.sinks)
+    if layer.sinks is None and _nothing_cached(meta):
+        return _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
+    if q.dtype == torch.float32:
+        from tandem.workers.ops.attention import paged_attention_torch
+        return paged_attention_torch(q, layer.k_cache, layer.v_cache, meta, layer.scale,
+                                     sliding_window=layer.sliding_window, sinks=layer.sinks)
+    out = torch.empty_like(q)
+    scale_one = _unit_scale(q.device)
+    load_aiter_triton().unified_attention(
+        q, layer.k_cache, layer.v_cache, out, cu_seqlens_q=meta.query_start_loc,
+        max_seqlen_q=meta.max_query_len, seqused_k=meta.seq_lens,
+        max_seqlen_k=meta.max_seq_len, softmax_scale=layer.scale, causal=True,
+        window_size=layer.window_size, block_table=meta.block_tables, softcap=0,
+        q_descale=None, k_descale=scale_one, v_descale=scale_one, sinks=layer.sinks)
+    return out
+
+
+def _nothing_cached(meta: AttentionMetadata) -> bool:
+    """Every sequence's queries are all of its keys (no prefix hit, no earlier chunk)."""
+    starts = meta.query_start_loc_host
+    return all(starts[i + 1] - starts[i] == seq_len
+               for i, seq_len in enumerate(meta.seq_lens_host))
+
+
+def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None) -> torch.Tensor:
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc_host
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        start, end = starts[i], starts[i + 1]
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, D]
+        if sliding_window is None or seq_len <= sliding_window:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            pos = torch.arange(seq_len, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
