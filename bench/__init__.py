@@ -11,12 +11,19 @@
 
 Modules: config (BenchmarkConfig), workload (lengths, synthetic and JSONL prompts), loadgen (the
 asyncio driver), records (one request's timings), report (statistics and tables), plot (PNG),
-runner (run_benchmark, run_sweep), main (the command line).
+runner (run_benchmark, run_sweep), main (the command line); engine (bench/engine.py: the
+engine against the GPU's limits) with engine_limits, engine_models and engine_ops.
 """
-from tandem.bench.config import BenchmarkConfig
-from tandem.bench.main import main
-from tandem.bench.runner import (BenchmarkError, BenchmarkResult, async_run_benchmark,
-                                 run_benchmark, run_sweep)
+import importlib
 
-__all__ = ["BenchmarkConfig", "BenchmarkError", "BenchmarkResult", "async_run_benchmark", "main",
-           "run_benchmark", "run_sweep"]
+# Imported on first use, so `python -m tandem.bench.engine` (GPU machines) needs no gRPC stack.
+_EXPORTS = {"BenchmarkConfig": "config", "main": "main", "BenchmarkError": "runner",
+            "BenchmarkResult": "runner", "async_run_benchmark": "runner",
+            "run_benchmark": "runner", "run_sweep": "runner"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tandem.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tandem.bench.{_EXPORTS[name]}"), name)

@@ -31,8 +31,12 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, D] -> norm(x) [T, D]; with residual, residual becomes x + residual (in place)
-    and the result is norm(x + residual)."""
+    """x [..., D] -> norm(x); with residual (same shape, rows contiguous), residual becomes
+    x + residual (in place) and the result is norm(x + residual)."""
+    if x.dim() != 2:  # e.g. per-head QK norm on [T, H, D]
+        if residual is not None:
+            raise ValueError("rms_norm with a residual takes [T, D] inputs")
+        return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     num_rows, n_cols = x.shape
     out = torch.empty_like(x)
     if num_rows == 0:
