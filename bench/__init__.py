@@ -17,7 +17,7 @@ engine against the GPU's limits) with engine_limits, engine_models and engine_op
 import importlib
 
 # Imported on first use, so `python -m tandem.bench.engine` (GPU machines) needs no gRPC stack.
-_EXPORTS = {"BenchmarkConfig": "config", "main": "main", "BenchmarkError": "runner",
+_EXPORTS = {"BenchmarkConfig": "config", "BenchmarkError": "runner",
             "BenchmarkResult": "runner", "async_run_benchmark": "runner",
             "run_benchmark": "runner", "run_sweep": "runner"}
 __all__ = sorted(_EXPORTS)

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:  # the service parses its own flags, --help included
         return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
     if argv and argv[0] == "bench":  # tandem.bench parses its own flags, --help included
-        return importlib.import_module("tandem.bench").main(argv[1:])
+        return importlib.import_module("tandem.bench.main").main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "up":
