@@ -38,7 +38,7 @@ def _engine(model_dir: Path, args: argparse.Namespace):
     from tandem.workers.engine.engine import LLMEngine
 
     free, _ = torch.cuda.mem_get_info()
-    kv_budget = free - weight_bytes(model_dir) - args.reserve_gib * GiB
+    kv_budget = int(free - weight_bytes(model_dir) - args.reserve_gib * GiB)
     if kv_budget < GiB:
         raise RuntimeError(f"{model_dir.name}: weights leave {kv_budget / GiB:.1f} GiB for KV")
     max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill) + 8)

@@ -46,15 +46,18 @@ def test_aiter_triton_fp32_greedy_equals_transformers_with_graphs(checkpoint):
 
 
 def _assert_greedy_where_decided(ckpt, prompt, tokens, margin=0.05):
-    """bf16 greedy tokens equal fp32 transformers' wherever fp32's top-1 leads its top-2 by more
-    than `margin` logits; after the first near-tie the sequences may legitimately part."""
-    logits = ckpt.logits(prompt + tokens)[len(prompt) - 1:-1]  # [n, V] fp32, teacher-forced
+    """Each bf16 greedy token equals fp32 transformers' argmax given the same prefix (teacher
+    forcing on our own tokens) wherever fp32's top-1 leads its top-2 by more than `margin`
+    logits; near-ties may go either way in bf16. Returns how many steps were decided."""
+    logits = ckpt.logits(prompt + tokens)[len(prompt) - 1:-1]  # [n, V] fp32
+    decided = 0
     for i, token in enumerate(tokens):
         top = logits[i].topk(2)
         if top.values[0] - top.values[1] < margin:
-            return i
+            continue
         assert token == top.indices[0].item(), f"step {i}: {token} != {top.indices[0].item()}"
-    return len(tokens)
+        decided += 1
+    return decided
 
 
 def test_aiter_triton_bf16_tokens_follow_fp32_reference(checkpoint):
@@ -69,5 +72,5 @@ def test_aiter_triton_bf16_tokens_follow_fp32_reference(checkpoint):
     for _ in range(2):  # the second pass hits the prefix cache
         for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
             decided.append(_assert_greedy_where_decided(ckpt, prompt, out.token_ids))
-    assert sum(decided) >= len(decided) * 8, decided  # most steps were decided ones
+    assert sum(decided) >= len(decided) * 16, decided  # the check was not vacuous
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

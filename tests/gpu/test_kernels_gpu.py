@@ -128,7 +128,8 @@ def test_split_counts_agree(num_splits):
 def test_split_count_choice():
     assert num_splits_for(1, 8, 4096, 132) == 32  # batch 1 fills ~2 waves of SMs
     assert num_splits_for(64, 8, 4096, 132) == 1  # batch 64 already does
-    assert num_splits_for(1, 8, 100, 132) == 1  # never a split shorter than a tile
+    assert num_splits_for(1, 8, 100, 132) == 2  # never a split shorter than a 64-key tile
+    assert num_splits_for(1, 8, 64, 132) == 1
 
 
 def test_kv_write_skips_padding_slots():
