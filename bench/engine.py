@@ -81,8 +81,26 @@ def _experts_read(engine, inputs) -> int:
     return sum(counts)
 
 
+def profile_step(engine, inputs, top: int = 14) -> str:
+    """Kernel time table of one eager forward of the same decode inputs (torch.profiler): the
+    graph replays the same kernels, so step time minus their sum is launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def forward():
+        hidden = engine.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return engine.model.compute_logits(hidden)
+
+    with torch.inference_mode():
+        forward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            forward()
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+
+
 def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
-                 steps: int) -> dict:
+                 steps: int, profile: bool = False) -> dict:
     blocks = batch * -(-(context + steps + 2) // engine.config.block_size)
     if blocks > engine.block_manager.num_free_blocks:
         return {"skipped": f"needs {blocks} KV blocks, {engine.block_manager.num_free_blocks} "
@@ -98,6 +116,7 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
         inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
         model_s = time_cuda(lambda: engine.runner.execute(inputs))
         experts = _experts_read(engine, inputs) if shape.num_moe_layers else 0
+        table = profile_step(engine, inputs) if profile else None
     finally:
         for request_id in ids:
             engine.abort(request_id)
@@ -107,7 +126,7 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
     return {"model_step_ms": model_s * 1e3, "engine_step_ms": statistics.median(walls[1:]) * 1e3,
             "floor_ms": floor_s * 1e3, "ratio": model_s / floor_s,
             "bytes_read_GB": floor_bytes / 1e9, "experts_read": experts,
-            "graphed": engine.runner.graphs is not None}
+            "graphed": engine.runner.graphs is not None, **({"profile": table} if table else {})}
 
 
 def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 3) -> dict:
@@ -163,9 +182,14 @@ def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
     result: dict = {"weights_GB": shape.dense_weight_bytes / 1e9, "decode": {}, "prefill": {}}
     for context in args.contexts:
         for batch in args.batches:
-            row = bench_decode(engine, shape, limits, batch, context, args.steps)
+            profile = args.profile and (batch, context) in ((1, min(args.contexts)),
+                                                            (max(args.batches), min(args.contexts)))
+            row = bench_decode(engine, shape, limits, batch, context, args.steps, profile)
             result["decode"][f"{batch}x{context}"] = row
-            print(f"  {name} decode {batch}x{context}: {row}", flush=True)
+            print(f"  {name} decode {batch}x{context}: " + json.dumps(
+                {k: v for k, v in row.items() if k != "profile"}), flush=True)
+            if "profile" in row:
+                print(row["profile"], flush=True)
     for length in args.prefill:
         row = bench_prefill(engine, shape, limits, length)
         result["prefill"][str(length)] = row
@@ -228,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU memory left for activations and graphs")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the kernel time table of the smallest and largest batch")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     for field in ("batches", "contexts", "prefill"):

@@ -79,18 +79,21 @@ def _nothing_cached(meta: AttentionMetadata) -> bool:
 def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         sliding_window: int | None) -> torch.Tensor:
+    """Causal attention of each sequence over its own new K/V. K/V heads are repeated to the
+    query heads first: SDPA's flash kernel takes no GQA, and its fallback (enable_gqa) builds
+    the whole [H, L, L] score matrix (8 GiB at 8k tokens)."""
     out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
     starts = meta.query_start_loc_host
     for i, seq_len in enumerate(meta.seq_lens_host):
         start, end = starts[i], starts[i + 1]
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, D]
+        qs = q[start:end].transpose(0, 1)  # [H, L, D]
+        ks, vs = (x[start:end].repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
         if sliding_window is None or seq_len <= sliding_window:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
             pos = torch.arange(seq_len, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
     return out
