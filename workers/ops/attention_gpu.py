@@ -87,13 +87,15 @@ def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     starts = meta.query_start_loc_host
     for i, seq_len in enumerate(meta.seq_lens_host):
         start, end = starts[i], starts[i + 1]
-        qs = q[start:end].transpose(0, 1)  # [H, L, D]
-        ks, vs = (x[start:end].repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))
+        # [1, H, L, D]: the flash kernel takes 4-D inputs only (3-D goes to the math kernel).
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        ks, vs = (x[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+                  for x in (k, v))
         if sliding_window is None or seq_len <= sliding_window:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
             pos = torch.arange(seq_len, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
