@@ -29,14 +29,14 @@ import triton.language as tl
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr, scale,
+        part_out_ptr, part_lse_ptr, scale, num_splits,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
         stride_table,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,7 +47,7 @@ def _decode_split_kernel(
     if SLIDING_WINDOW > 0:
         first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
     # Splits are whole tiles so that only the last tile of a split is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -93,7 +93,7 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     # part_out [B, H, NUM_SPLITS, HEAD_DIM_PAD], part_lse [B, H, NUM_SPLITS], contiguous.
-    row = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS + split  # [G]
+    row = (seq * num_kv_heads * GROUP + heads) * num_splits + split  # [G]
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
              mask=mask_g[:, None])
     tl.store(part_lse_ptr + row, lse, mask=mask_g)
@@ -166,14 +166,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0,
+        SLIDING_WINDOW=sliding_window or 0,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     _combine_splits_kernel[(num_seqs, num_heads)](
         part_out, part_lse, sinks if sinks is not None else part_lse, out,
