@@ -19,7 +19,8 @@ Cache layout, per layer ONE tensor (the only KV the model keeps)::
 Block tables, slot mapping and the flat mixed batch are those of `attention.py`
 (`AttentionMetadata`): sequence i's queries are its last query_len positions and attend causally
 to all seq_len cached positions (earlier chunks and prefix-cache hits included). An MHA cache of
-the same model would hold 2 * H_total * (Dn + P) values per token instead of R + P.
+the same model would hold H_total * (Dn + P + Dv) values per token and layer instead of R + P
+(DeepSeek-V3: 40,960 against 576; see kv/layout.py).
 
 Two exact rewrites of the same attention, chosen per sequence:
 
@@ -100,7 +101,7 @@ def mla_attention_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
                         kv_b_weight: torch.Tensor, meta: AttentionMetadata, scale: float,
                         v_head_dim: int) -> torch.Tensor:
     """Reference MLA over the paged latent cache, one sequence at a time (module docstring)."""
-    num_tokens, num_heads, nope_dim = q_nope.shape
+    num_tokens, num_heads, _ = q_nope.shape
     kv_lora_rank = kv_b_weight.shape[1]
     out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
     starts = meta.query_start_loc_host
