@@ -1,5 +1,6 @@
 """Every mixture-of-experts family served through router -> prefill -> decode: greedy tokens
-equal transformers' (GPT-OSS with prompts longer than its 16-token sliding window)."""
+equal transformers' (GPT-OSS with prompts longer than its 16-token sliding window; DeepSeek-V3
+hands over its MLA latent cache, with and without YaRN)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ from helpers.processes import start_stack, stop
 
 from tandem.v1 import generate_pb2
 
-ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"]
+ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3",
+                 "deepseek_v3_yarn"]
 
 
 @pytest.mark.parametrize("variant", ARCHITECTURES)

@@ -28,7 +28,12 @@ MOE_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 
 def build_moe_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
-    """Any tiny MoE variant by name: MOE_VARIANTS, GLM_VARIANTS or GPT_OSS_VARIANTS."""
+    """Any tiny MoE variant by name: MOE_VARIANTS, GLM_VARIANTS, GPT_OSS_VARIANTS or
+    MLA_VARIANTS (DeepSeek, in mla_checkpoints.py)."""
+    from helpers.mla_checkpoints import MLA_VARIANTS, build_mla_checkpoint
+
+    if name in MLA_VARIANTS:
+        return build_mla_checkpoint(name, directory)
     if name in GLM_VARIANTS:
         return build_glm_checkpoint(name, directory)
     if name in GPT_OSS_VARIANTS:

@@ -1,10 +1,12 @@
 """Turns a scheduled batch into model inputs, runs the model, and returns next-token logits.
 
-Owns the paged KV cache tensors (one K and one V tensor per attention layer, bound to the
-layer's Attention op) and nothing about scheduling or sampling policy.
+Owns the paged KV cache tensors (whatever each KV-owning op asks for: K and V per MHA layer,
+one latent tensor per MLA layer; see ops/kv_cache.py) and nothing about scheduling or sampling
+policy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +15,8 @@ from torch import nn
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.scheduler import SchedulerOutput
-from tandem.workers.ops.attention import Attention, AttentionMetadata
+from tandem.workers.ops.attention import AttentionMetadata
+from tandem.workers.ops.kv_cache import KVCacheOwner
 
 logger = get_logger(__name__)
 
@@ -27,12 +30,15 @@ class ModelInputs:
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    per_token = sum(2 * m.num_kv_heads * m.head_dim for m in attention_layers(model))
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+    """Bytes one block takes across every tensor of every KV-owning layer."""
+    numel = sum(math.prod(shape) for layer in attention_layers(model)
+                for shape in layer.kv_cache_shapes(1, block_size))
+    return numel * torch.tensor([], dtype=dtype).element_size()
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+def attention_layers(model: nn.Module) -> list[KVCacheOwner]:
+    """The ops that keep a paged KV cache, in model order (one per attention layer)."""
+    return [m for m in model.modules() if isinstance(m, KVCacheOwner)]
 
 
 class ModelRunner:
@@ -44,16 +50,16 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         layers = attention_layers(model)
         if not layers:
-            raise ValueError(f"{type(model).__name__} has no Attention layers")
-        # [layer][k|v]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+            raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
+        # [layer] -> that op's tensors, each [num_kv_blocks, block_size, ...]: (K, V) for MHA,
+        # (latent,) for MLA.
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         for layer in layers:
-            shape = (num_kv_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-            k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            v_cache = torch.zeros(shape, dtype=dtype, device=device)
-            layer.bind_kv_cache(k_cache, v_cache)
-            self.kv_caches.append((k_cache, v_cache))
-        total = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+            caches = tuple(torch.zeros(shape, dtype=dtype, device=device)
+                           for shape in layer.kv_cache_shapes(num_kv_blocks, block_size))
+            layer.bind_kv_cache(*caches)
+            self.kv_caches.append(caches)
+        total = sum(c.numel() * c.element_size() for caches in self.kv_caches for c in caches)
         logger.info("KV cache: %d blocks x %d tokens, %d layers, %.1f MB", num_kv_blocks,
                     block_size, len(layers), total / 1e6)
 

@@ -25,7 +25,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
 
     async def PullKV(self, request, context):
         try:
-            layout_from_proto(request.expected_layout).check_readable_by(self.layout)
+            self.layout.check_readable_by(layout_from_proto(request.expected_layout))
         except KVLayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         handle_id = request.handle_id

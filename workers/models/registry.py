@@ -12,6 +12,18 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+}
+
+# Architectures transformers knows that Tandem cannot serve yet: name -> why.
+_NOT_SUPPORTED_YET: dict[str, str] = {
+    "DeepseekV32ForCausalLM": (
+        "DeepSeek-V3.2's sparse attention (DSA) needs a lightning indexer per layer, with its "
+        "own paged key cache, that keeps only the top index_topk cached tokens for each query; "
+        "Tandem's MLA attends to every cached token, which gives other tokens as soon as a "
+        "context outgrows index_topk (transformers 5.23 builds the model, so parity tests can "
+        "be written once the indexer exists)"),
 }
 
 
@@ -25,6 +37,9 @@ def resolve_model_class(config: Any) -> type:
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
     for name in architectures:
+        if name in _NOT_SUPPORTED_YET:
+            raise ValueError(f"architecture {name} is not supported yet: "
+                             f"{_NOT_SUPPORTED_YET[name]}")
         if name in _MODELS:
             module_name, class_name = _MODELS[name]
             module = importlib.import_module(f"tandem.workers.models.{module_name}")

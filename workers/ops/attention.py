@@ -112,6 +112,11 @@ class Attention(nn.Module):
                              f"{tuple(loaded.shape)}")
         param.data.copy_(loaded)
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], ...]:
+        """The cache tensors this layer needs, in bind_kv_cache's order: K, then V."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return shape, shape
+
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         expected = (self.num_kv_heads, self.head_dim)
         if tuple(k_cache.shape[2:]) != expected or k_cache.shape != v_cache.shape:

@@ -53,6 +53,20 @@ def test_prefill_here_decode_there_matches_transformers(checkpoint, variant):
         assert not engine.requests
 
 
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_yarn"])
+def test_latent_cache_handoff_matches_transformers(moe_checkpoint, variant):
+    """MLA: one latent tensor per layer crosses over, and decode attends over it absorbed."""
+    ckpt = moe_checkpoint(variant)
+    prefill = LLM(ckpt.path, dtype="float32", max_num_batched_tokens=64).engine
+    decode = LLM(ckpt.path, dtype="float32").engine
+    assert KVLayout.from_kv_caches(decode.runner.kv_caches).kind == "mla"
+    prompts = random_prompts(PARITY_LENGTHS, seed=46)
+    seqs = [transfer(prefill, decode, p, GREEDY, f"m{i}") for i, p in enumerate(prompts)]
+    run_to_completion(decode)
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.completion_token_ids == ckpt.greedy(prompt, 24)
+
+
 def test_decode_side_prefix_hits_skip_the_pull(checkpoint):
     ckpt = checkpoint("llama")
     prefill = LLM(ckpt.path, dtype="float32").engine
@@ -115,3 +129,14 @@ def test_layout_mismatch_names_the_fields(checkpoint):
     with pytest.raises(KVLayoutMismatch, match="block_size: source 32 != receiver 16.*dtype"):
         other.check_readable_by(mine)
     mine.check_readable_by(mine)
+
+
+def test_mha_worker_refuses_an_mla_workers_blocks(checkpoint, moe_checkpoint):
+    mha = KVLayout.from_kv_caches(LLM(checkpoint("llama").path, dtype="float32")
+                                  .engine.runner.kv_caches)
+    mla = KVLayout.from_kv_caches(LLM(moe_checkpoint("deepseek_v3").path, dtype="float32")
+                                  .engine.runner.kv_caches)
+    assert (mla.kind, mla.num_kv_heads, mla.head_dim) == ("mla", 1, 40)
+    with pytest.raises(KVLayoutMismatch, match="source keeps a 'mla' KV cache and this worker "
+                                               "a 'mha' one"):
+        mla.check_readable_by(mha)

@@ -1,0 +1,45 @@
+"""KVLayout from a runner's caches (MHA pairs, MLA latents) and what a receiver refuses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+
+
+def _mha(num_layers=2, heads=2, dim=16, dtype=torch.float32):
+    return [(torch.zeros(5, 16, heads, dim, dtype=dtype),) * 2 for _ in range(num_layers)]
+
+
+def _mla(num_layers=3, latent_dim=40, dtype=torch.float32):
+    return [(torch.zeros(5, 16, 1, latent_dim, dtype=dtype),) for _ in range(num_layers)]
+
+
+def test_layout_kind_follows_the_tensors_each_layer_keeps():
+    assert KVLayout.from_kv_caches(_mha()) == KVLayout("mha", 2, 16, 2, 16, "float32")
+    mla = KVLayout.from_kv_caches(_mla(dtype=torch.bfloat16))
+    assert mla == KVLayout("mla", 3, 16, 1, 40, "bfloat16")
+    assert mla.bytes_per_block == 16 * 40 * 2
+
+
+def test_an_mha_worker_refuses_mla_blocks_naming_both_kinds():
+    mla, mha = KVLayout.from_kv_caches(_mla()), KVLayout.from_kv_caches(_mha())
+    with pytest.raises(KVLayoutMismatch, match=r"source keeps a 'mla' KV cache and this worker "
+                                                r"a 'mha' one.*kind: source 'mla' != receiver "
+                                                r"'mha'.*head_dim: source 40 != receiver 16"):
+        mla.check_readable_by(mha)
+    with pytest.raises(KVLayoutMismatch, match="source keeps a 'mha' KV cache"):
+        mha.check_readable_by(mla)
+    mla.check_readable_by(KVLayout.from_kv_caches(_mla()))
+
+
+@pytest.mark.parametrize("caches,message", [
+    ([], "kv_caches is empty"),
+    (_mla()[:1] + _mla(latent_dim=24)[:1], "layer 1 holds different cache tensors"),
+    ([tuple(_mha()[0]) + _mla()[0]], "neither MHA's"),
+    ([(torch.zeros(5, 16, 2, 8), torch.zeros(5, 16, 2, 4))], "neither MHA's"),
+    ([(torch.zeros(5, 16, 2, 40),)], "MLA latent cache has 1 head, not 2"),
+])
+def test_caches_that_fit_no_layout_are_named(caches, message):
+    with pytest.raises(ValueError, match=message):
+        KVLayout.from_kv_caches(caches)
