@@ -73,8 +73,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
         if device.type == "cuda" and backend is KernelBackend.AITER_TRITON \
                 and not config.enforce_eager:
-            self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
-                                           max_model_len)
+            blockers = [name for name, m in self.model.named_modules()
+                        if not getattr(m, "supports_cuda_graphs", True)]
+            if blockers:
+                logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA "
+                            "graph", blockers[0], len(blockers) - 1)
+            else:
+                self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
+                                               max_model_len)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())

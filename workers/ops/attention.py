@@ -97,6 +97,11 @@ class Attention(nn.Module):
             self.register_parameter("sinks", None)
 
     @property
+    def supports_cuda_graphs(self) -> bool:
+        """Only the aiter-triton decode path reads lengths from device memory alone."""
+        return self.backend is KernelBackend.AITER_TRITON
+
+    @property
     def window_size(self) -> tuple[int, int]:
         """The window as AITER's unified_attention takes it: (left, right), -1 for unbounded."""
         return (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)

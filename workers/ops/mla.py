@@ -58,6 +58,8 @@ class MLAAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.scale = scale
+        # The torch reference reads host-side lengths: a CUDA graph would freeze them.
+        self.supports_cuda_graphs = False
         self.latent_cache: torch.Tensor | None = None
 
     @property

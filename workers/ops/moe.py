@@ -338,6 +338,11 @@ class FusedMoE(nn.Module):
             return loaded.narrow(dim, self.tp_rank * size, size)
         return loaded
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """The torch backend loops over the experts that tokens chose (host-side decisions)."""
+        return self.backend is KernelBackend.AITER_TRITON
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,

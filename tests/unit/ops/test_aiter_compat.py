@@ -101,3 +101,30 @@ def test_call_sequence_matches_torch_backend(monkeypatch):
                               GROUP_SIZE_M=1)):
         out = aiter_triton_fused_moe(hidden, w13, w2, weights, ids, config=config)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_choice_resolves_per_device(monkeypatch):
+    from tandem.workers.ops import backend as backend_mod
+    from tandem.workers.ops.backend import KernelBackend, resolve_backend
+
+    assert resolve_backend("auto", "cpu") is KernelBackend.TORCH
+    assert resolve_backend("torch", "cuda") is KernelBackend.TORCH
+    with pytest.raises(ValueError, match="aiter-triton' needs a GPU; device is 'cpu'"):
+        resolve_backend("aiter-triton", "cpu")
+    with pytest.raises(ValueError, match="'aiter'.*not available yet"):
+        resolve_backend("aiter", "cuda")
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "aiter_available", lambda: True)
+    assert resolve_backend("auto", "cuda") is KernelBackend.AITER_TRITON
+    assert resolve_backend("auto", "cpu") is KernelBackend.TORCH
+    monkeypatch.setattr(backend_mod, "aiter_available", lambda: False)
+    assert resolve_backend("auto", "cuda") is KernelBackend.TORCH  # auto falls back quietly
+    with pytest.raises(ValueError, match="pip install amd-aiter"):
+        resolve_backend("aiter-triton", "cuda")  # an explicit choice says what is missing
+
+
+def test_engine_refuses_gpu_kernels_on_cpu(checkpoint):
+    from tandem import LLM
+
+    with pytest.raises(ValueError, match="kernels='aiter-triton' needs a GPU"):
+        LLM(checkpoint("llama").path, device="cpu", kernels="aiter-triton")
