@@ -33,18 +33,26 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20) -> f
     return statistics.median(times)
 
 
-def time_graphed(fn: Callable[[], object], *, calls_per_graph: int = 20, reps: int = 10
+def copies_to_defeat_l2(bytes_per_call: int, limit: int = 20) -> int:
+    """How many input sets to rotate through so that no call finds its inputs in L2 (3x the
+    cache size in flight), as in a model step where each layer's weights and KV are read once."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(limit, -(-3 * l2 // max(1, bytes_per_call))))
+
+
+def time_graphed(fn: Callable[[int], object], *, calls_per_graph: int = 20, reps: int = 10
                  ) -> float:
-    """Median seconds per fn() when calls_per_graph calls replay as one CUDA graph: the kernels'
-    own time, without Python launch gaps (how the engine runs decode steps)."""
+    """Median seconds per fn(i) when calls i = 0..calls_per_graph-1 replay as one CUDA graph:
+    the kernels' own time, without Python launch gaps (how the engine runs decode steps).
+    fn gets the call index so it can rotate through input copies (copies_to_defeat_l2)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile / autotune outside the capture
+        fn(0)  # compile / autotune outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls_per_graph):
-                fn()
+            for i in range(calls_per_graph):
+                fn(i)
     torch.cuda.current_stream().wait_stream(stream)
     return time_cuda(graph.replay, reps=reps) / calls_per_graph
 
