@@ -5,17 +5,16 @@ batch 1 x 4k context keeps a handful of SMs busy and reads KV at ~5% of copy ban
 (shared/notes/aiter-on-cuda.md). Here every sequence's visible keys are cut into NUM_SPLITS
 equal ranges and each (sequence, KV head, split) is one program, so batch 1 still fills the GPU.
 
-One kernel, one program per (seq, kv_head, split):
+Pass 1 (`_decode_split_kernel`), one program per (seq, kv_head, split):
     the GROUP query heads that share the KV head attend over keys [lo, hi) of their sequence
-    (an online softmax over tiles of BLOCK_N keys gathered through the block table) and store
+    (an online softmax over tiles of BLOCK_N keys gathered through the block table) and write
     o_s = sum_j p_j v_j / sum_j p_j   [GROUP, D] fp32,   lse_s = log sum_j exp(s_j)   [GROUP]
-    An empty range (short sequence, many splits) stores lse_s = -inf and o_s = 0.
-    The last split to finish (an atomic counter per (seq, kv_head)) then combines them:
+    An empty range (short sequence, many splits) writes lse_s = -inf and o_s = 0.
+Pass 2 (`_combine_splits_kernel`), one program per (seq, query head):
     out = sum_s exp(lse_s - m) o_s / (sum_s exp(lse_s - m) + exp(sink - m)),  m = max(lse, sink)
-    which is the exact softmax over all visible keys (plus the sink logit, if any). Combining
-    in the same launch saves a second kernel's launch and latency (~2 us of a ~12 us bs-1 call).
+    which is the exact softmax over all visible keys (plus the sink logit, if any).
 
-Everything the kernel reads about the batch lives on the device (seq_lens, block_tables), and
+Everything the kernels read about the batch lives on the device (seq_lens, block_tables), and
 the grid depends only on the batch size: a launch can be captured in a CUDA graph and replayed
 for any context lengths. Sliding window W: keys (seq_len - 1 - W, seq_len - 1], as in
 attention.py. Cache layout [num_blocks, block_size, kv_heads, head_dim] (attention.py).
@@ -30,15 +29,14 @@ import triton.language as tl
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr, counters_ptr, sinks_ptr, out_ptr, scale, num_splits,
+        part_out_ptr, part_lse_ptr, scale, num_splits,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
-        stride_table, stride_out_tok, stride_out_head,
+        stride_table,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS_PAD: tl.constexpr, SLIDING_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-        IEEE: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,51 +90,45 @@ def _decode_split_kernel(
         m_i = m_new
 
     has_keys = l_i > 0
-    part = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    # part_out [B, H, num_splits, HEAD_DIM_PAD], part_lse [B, H, num_splits], contiguous.
-    head_rows = (seq * num_kv_heads * GROUP + heads) * num_splits  # [G]
-    tl.store(part_out_ptr + (head_rows + split)[:, None] * HEAD_DIM_PAD + offs_d[None, :], part,
+    # part_out [B, H, NUM_SPLITS, HEAD_DIM_PAD], part_lse [B, H, NUM_SPLITS], contiguous.
+    row = (seq * num_kv_heads * GROUP + heads) * num_splits + split  # [G]
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
              mask=mask_g[:, None])
-    tl.store(part_lse_ptr + head_rows + split, lse, mask=mask_g)
+    tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
-    # The last split of this (seq, kv_head) to finish combines all of them. The counter's
-    # acq_rel atomic orders every split's stores before the last one's loads; the last one
-    # resets the counter to 0, so counters are 0 between launches (and graph replays).
-    counter = counters_ptr + seq * num_kv_heads + kv_head
-    finished = tl.atomic_add(counter, 1, sem="acq_rel")
-    if finished == num_splits - 1:
-        offs_s = tl.arange(0, SPLITS_PAD)
-        lse_all = tl.load(part_lse_ptr + head_rows[:, None] + offs_s[None, :],
-                          mask=mask_g[:, None] & (offs_s < num_splits)[None, :],
-                          other=float("-inf"), cache_modifier=".cg")  # [G, S]
-        m = tl.max(lse_all, 1)
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + heads, mask=mask_g, other=0.0).to(tl.float32)
-            m = tl.maximum(m, sink)
-        m = tl.where(m == float("-inf"), 0.0, m)  # padded heads only: keeps exp() finite
-        denom = tl.sum(tl.exp(lse_all - m[:, None]), 1)
-        if HAS_SINKS:
-            denom += tl.exp(sink - m)
-        out = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for s_idx in range(0, num_splits):
-            w = tl.exp(tl.load(part_lse_ptr + head_rows + s_idx, mask=mask_g,
-                               other=float("-inf"), cache_modifier=".cg") - m)  # [G]
-            o = tl.load(part_out_ptr + (head_rows + s_idx)[:, None] * HEAD_DIM_PAD
-                        + offs_d[None, :], mask=mask_g[:, None], other=0.0,
-                        cache_modifier=".cg")
-            out += w[:, None] * o
-        out = out / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(out_ptr + seq * stride_out_tok + heads[:, None] * stride_out_head
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_g[:, None] & mask_d[None, :])
-        tl.atomic_xchg(counter, 0)
+
+@triton.jit
+def _combine_splits_kernel(
+        part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + offs_s)  # [S]
+    m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m = tl.maximum(m, sink)
+    weights = tl.exp(lse - m)  # empty splits: exp(-inf) = 0
+    denom = tl.sum(weights, 0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m)
+    parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    out = tl.sum(parts * weights[:, None], 0) / denom
+    tl.store(out_ptr + seq * stride_out_tok + head * stride_out_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                    block_n: int = 64) -> int:
     """Splits per sequence: enough programs for ~2 waves over the SMs, never a split shorter
-    than one tile, a power of two (the combine step loads them with one arange), at most 64.
+    than one tile, a power of two (the combine kernel's arange), at most 64.
 
     It depends only on the batch shape and the longest context the launch must serve, so a
     CUDA graph captured for a batch size keeps a valid choice at every context length.
@@ -156,9 +148,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
-    included). num_splits: a power of two (see num_splits_for). Defaults from
-    bench/tune_kernels.py on an H100: 64-key tiles, 4 warps; software pipelining (3 stages) only
-    pays when one program loops over many tiles (a single split).
+    included). num_splits: a power of two (see num_splits_for). Launch defaults from
+    bench/tune_kernels.py on an H100 (cold KV): 64-key tiles, 4 warps, software pipelining
+    (3 stages) only where one program loops over many tiles (a single split).
+
+    Tried and dropped: combining the splits in the same launch (the last split to finish, by
+    an atomic counter, reduces the others): batch 1 x 4k took 14-21 us instead of 12 us.
     """
     if num_stages is None:
         num_stages = 3 if num_splits == 1 else 1
@@ -178,30 +173,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        _split_counters(q.device, num_seqs * num_kv_heads),
-        sinks if sinks is not None else part_lse, out, scale, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        SPLITS_PAD=max(2, num_splits), SLIDING_WINDOW=sliding_window or 0,
-        HAS_SINKS=sinks is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages)
+        SLIDING_WINDOW=sliding_window or 0,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+    _combine_splits_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, sinks if sinks is not None else part_lse, out,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+        HAS_SINKS=sinks is not None, num_warps=4 if head_dim_pad >= 128 else 1)
     return out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept for the process: each launch
-    leaves them at 0 again. Grown (never during a graph capture: the warm-up call comes
-    first at the same batch size) by replacing the buffer."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = _counters[device] = torch.zeros(max(needed, 4096), dtype=torch.int32,
-                                                   device=device)
-    return counters
