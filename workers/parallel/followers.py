@@ -15,7 +15,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +27,7 @@ from tandem.workers.parallel.process_group import RENDEZVOUS_TIMEOUT, joined_key
 
 logger = get_logger(__name__)
 POLL_SECONDS = 0.05
+WATCH_SECONDS = 0.5
 
 
 class FollowerProcesses:
@@ -43,6 +46,7 @@ class FollowerProcesses:
             self.processes.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
         logger.info("started %d follower rank(s): pids %s", len(self.processes),
                     ", ".join(str(p.pid) for p in self.processes))
+        self._is_stopping = False
         atexit.register(self.kill)
 
     @property
@@ -62,8 +66,26 @@ class FollowerProcesses:
                     raise RuntimeError(f"follower rank {rank} did not join within {timeout:g} s")
                 time.sleep(POLL_SECONDS)
 
+    def watch(self, on_unexpected_exit: Callable[[], None]) -> None:
+        """Call on_unexpected_exit (once, from a watcher thread) if a follower exits before
+        rank 0 stops them: the model cannot run without it."""
+
+        def poll() -> None:
+            while not self._is_stopping:
+                for rank, process in enumerate(self.processes, start=1):
+                    if process.poll() is not None and not self._is_stopping:
+                        logger.error("follower rank %d (pid %d) exited with code %s; this "
+                                     "worker cannot run its model any more", rank, process.pid,
+                                     process.returncode)
+                        on_unexpected_exit()
+                        return
+                time.sleep(WATCH_SECONDS)
+
+        threading.Thread(target=poll, name="follower-watch", daemon=True).start()
+
     def wait_exited(self, timeout: float) -> None:
         """Wait for followers that were told to stop; kill the ones still running after it."""
+        self._is_stopping = True
         deadline = time.monotonic() + timeout
         for rank, process in enumerate(self.processes, start=1):
             try:
@@ -73,7 +95,15 @@ class FollowerProcesses:
                                process.pid)
         self.kill()
 
+    def end_after_failure(self) -> None:
+        """Kill the followers because rank 0 failed mid-collective; unlike `kill`, a `watch`er
+        reports it (the worker must stop)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+
     def kill(self) -> None:
+        self._is_stopping = True
         for process in self.processes:
             if process.poll() is None:
                 process.kill()

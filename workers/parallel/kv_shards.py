@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 KVCaches = list[tuple[torch.Tensor, ...]]
-HEAD_DIM = 3  # of a cache tensor [blocks, block_size, heads, head_dim]
+HEAD_DIM = 2  # of a cache tensor [blocks, block_size, heads, head_dim]
 
 
 def local_share(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:

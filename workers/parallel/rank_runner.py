@@ -12,6 +12,9 @@ which the servicers run as engine commands.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -52,6 +55,17 @@ class RankGroup:
         if payload is not None and payload.numel():
             dist.broadcast(payload, 0, group=self.control_group)
 
+    @contextmanager
+    def fatal_on_error(self, what: str) -> Iterator[None]:
+        """Around a sequence of collectives: if it raises part-way, the ranks no longer agree
+        on what comes next, so the group is ended (followers killed; a watcher sees it)."""
+        try:
+            yield
+        except BaseException:
+            logger.exception("%s failed on rank 0; ending the follower ranks", what)
+            self.followers.end_after_failure()
+            raise
+
     def shutdown(self) -> None:
         """Tell the followers to stop, wait for them, leave the group. Idempotent."""
         if self._is_stopped:
@@ -86,28 +100,31 @@ class LeaderRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         inputs = self.runner.prepare_inputs(batch)
-        self.group.send(*pack_inputs(inputs))
-        return self.runner.execute(inputs)
+        with self.group.fatal_on_error("model step"):
+            self.group.send(*pack_inputs(inputs))
+            return self.runner.execute(inputs)
 
     def gather_kv_blocks(self, block_ids: list[int]) -> KVCaches:
         """Every rank's KV heads of `block_ids`, joined (kv_shards.py); block i of the result
         is block_ids[i]. Engine thread only."""
-        self.group.send(make_header(Command.GATHER_KV, len(block_ids)),
-                        torch.tensor(block_ids, dtype=torch.int64))
-        share = local_share(self.kv_caches, block_ids)
-        shares = [torch.empty_like(share) for _ in range(self.tp_size)]
-        dist.gather(share, shares, dst=0)
+        with self.group.fatal_on_error("KV gather"):
+            self.group.send(make_header(Command.GATHER_KV, len(block_ids)),
+                            torch.tensor(block_ids, dtype=torch.int64))
+            share = local_share(self.kv_caches, block_ids)
+            shares = [torch.empty_like(share) for _ in range(self.tp_size)]
+            dist.gather(share, shares, dst=0)
         return join_shares(shares, len(self.kv_caches[0]))
 
     def scatter_kv_blocks(self, block_ids: list[int], joined: KVCaches) -> None:
         """Write joined KV (as `gather_kv_blocks` returns it) into `block_ids` on every rank.
         Engine thread only."""
-        self.group.send(make_header(Command.SCATTER_KV, len(block_ids)),
-                        torch.tensor(block_ids, dtype=torch.int64))
         device = self.kv_caches[0][0].device
         shares = [s.to(device) for s in split_joined(joined, self.tp_size)]
-        mine = torch.empty_like(shares[0])
-        dist.scatter(mine, shares, src=0)
+        with self.group.fatal_on_error("KV scatter"):
+            self.group.send(make_header(Command.SCATTER_KV, len(block_ids)),
+                            torch.tensor(block_ids, dtype=torch.int64))
+            mine = torch.empty_like(shares[0])
+            dist.scatter(mine, shares, src=0)
         write_local_share(self.kv_caches, block_ids, mine)
 
 
