@@ -3,9 +3,14 @@
     llm = LLM(model="/path/to/hf_dir", dtype="float32", max_model_len=2048)
     [out] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     out.text, out.token_ids, out.finish_reason
+
+With tensor_parallel_size=N the model is split over this process (rank 0) and N - 1 follower
+processes it starts; `llm.shutdown()` (or leaving a `with LLM(...) as llm:` block, or this
+object being collected, or the interpreter exiting) stops them. One such LLM per process.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,22 @@ class LLM:
 
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
-        self.tokenizer = _load_tokenizer(Path(model))
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        try:
+            self.tokenizer = _load_tokenizer(Path(model))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks of a tensor-parallel engine (no-op on one rank)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None

@@ -22,6 +22,7 @@ from tandem.common.security import TLSFiles, add_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
+from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (one per GPU; this one is "
+                        "rank 0 and starts the others)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: partition the experts over the N "
+                        "ranks instead of slicing every expert")
     p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
     p.add_argument("--drain-delay-seconds", type=float, default=0.0,
                    help="after SIGTERM, report NOT_SERVING this long (still serving calls) "
@@ -74,7 +81,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_lease_seconds=args.kv_lease_seconds,
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -84,23 +93,36 @@ async def serve(args: argparse.Namespace) -> None:
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
     engine = await asyncio.to_thread(LLMEngine, config)
+    metrics = WorkerMetrics(Path(args.model).name, args.role)
+    async_engine = AsyncEngine(engine,
+                               on_step=WorkerMetricsRecorder(engine, metrics).after_step)
+    try:
+        await _serve_engine(args, async_engine, metrics, tls)
+    finally:
+        await async_engine.stop()
+        engine.shutdown()  # follower ranks (TP) stop after the engine thread's last step
+    logger.info("stopped")
+
+
+async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
+                        metrics: WorkerMetrics, tls: TLSFiles | None) -> None:
+    engine = async_engine.engine
     model_name = Path(args.model).name
-    metrics = WorkerMetrics(model_name, args.role)
-    recorder = WorkerMetricsRecorder(engine, metrics)
-    async_engine = AsyncEngine(engine, on_step=recorder.after_step)
     async_engine.start()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
-    layout = KVLayout.from_kv_caches(engine.runner.kv_caches)
+    layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
+                                     tp_size=engine.config.tensor_parallel_size)
+    blocks = kv_block_access(async_engine)
     peers = PeerChannels(tls)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(async_engine, args.role, model_name, address, layout, peers, metrics),
-        server)
-    worker_pb2_grpc.add_KVTransferServicer_to_server(KVTransferServicer(async_engine, layout),
-                                                     server)
+        WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
+                       metrics), server)
+    worker_pb2_grpc.add_KVTransferServicer_to_server(
+        KVTransferServicer(async_engine, layout, blocks), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -116,15 +138,19 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    lost_follower = asyncio.Event()
+    if engine.rank_group is not None:  # a dead follower rank leaves the model unusable
+        engine.rank_group.followers.watch(lambda: loop.call_soon_threadsafe(
+            lambda: (lost_follower.set(), stop.set())))
     await stop.wait()
     logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
                 args.shutdown_grace_seconds)
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
-    await async_engine.stop()
     await peers.close()
-    logger.info("stopped")
+    if lost_follower.is_set():
+        raise SystemExit("tandem worker: a follower rank exited; stopped the worker")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from tandem.common.metrics import WorkerMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.grpc_backend import pull_kv, release_kv
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
 
@@ -48,8 +49,8 @@ class PeerChannels:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, role: str, model_name: str, address: str,
-                 layout: KVLayout, peers: PeerChannels, metrics: WorkerMetrics | None = None
-                 ) -> None:
+                 layout: KVLayout, peers: PeerChannels, blocks: KVBlockAccess,
+                 metrics: WorkerMetrics | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         self.engine = engine
@@ -58,6 +59,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.address = address
         self.layout = layout
         self.peers = peers
+        self.blocks = blocks  # where pulled KV is written (every TP rank's share)
         self.metrics = metrics
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -214,8 +216,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         channel = self.peers.get(handle.source_address)
         started = time.monotonic()
         try:
-            num_bytes = await pull_kv(channel, handle, self.layout,
-                                      self.engine.engine.runner.kv_caches, block_ids,
+            num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
                                       start_block, timeout=context.time_remaining())
         except (grpc.aio.AioRpcError, ValueError) as exc:
             if self.metrics is not None:

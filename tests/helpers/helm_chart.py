@@ -18,9 +18,8 @@ CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion: native gRPC probes) and the
 # newest kubernetes-validate knows (its default).
 KUBE_VERSIONS = ["1.27", None]
-# Flags the chart renders that the processes do not accept yet (the TP/EP issue), with how many
-# values each takes.
-PENDING_FLAGS = {"--tensor-parallel-size": 1, "--enable-expert-parallel": 0}
+# Flags the chart renders that the processes do not accept yet, with how many values each takes.
+PENDING_FLAGS: dict[str, int] = {}
 WORKER_ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--both"}
 
 

@@ -36,6 +36,10 @@ class EngineConfig:
     load_format: str = "auto"
     # GPU decode steps replay CUDA graphs (aiter-triton kernels); True runs every step eagerly.
     enforce_eager: bool = False
+    # Ranks (processes) this engine's model is split across; rank 0 runs the engine.
+    tensor_parallel_size: int = 1
+    # With TP > 1: each rank holds whole experts (E / TP of them) instead of a slice of each.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -45,7 +49,7 @@ class EngineConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r} is not one of {', '.join(KERNEL_CHOICES)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -55,6 +59,9 @@ class EngineConfig:
                              f"{', '.join(LOAD_FORMATS)}")
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds={self.kv_lease_seconds} must be > 0")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be "
+                             f"True or False")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
 

@@ -6,26 +6,30 @@ Not thread-safe: one thread drives `step()`.
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any
 
 import torch
+from collections import Counter
+from dataclasses import dataclass
 
 from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
-from tandem.workers.engine.config import DTYPES, EngineConfig, ResolvedConfig
+from tandem.workers.engine.config import EngineConfig, ResolvedConfig
 from tandem.workers.engine.cuda_graphs import default_capture_sizes
 from tandem.workers.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import Sampler, advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
-from tandem.workers.models.loader import build_model, load_hf_config
+from tandem.workers.models.loader import load_hf_config
 from tandem.workers.ops.backend import KernelBackend, resolve_backend
+from tandem.workers.parallel.context import ParallelContext
+from tandem.workers.parallel.process_group import rank_device
+from tandem.workers.parallel.rank_runner import LeaderRunner, RankGroup
+from tandem.workers.parallel.validation import check_parallel_fits
 
 logger = get_logger(__name__)
 
@@ -47,16 +51,28 @@ class LLMEngine:
         self.config = config
         started = time.monotonic()
         hf_config = load_hf_config(config.model)
-        device = config.torch_device()
-        dtype = _resolve_dtype(config.dtype, hf_config, device)
-        max_model_len = _resolve_max_model_len(config.max_model_len, hf_config)
-        backend = resolve_backend(config.kernels, device.type)
-        logger.info("loading %s (%s) on %s as %s, kernels=%s", config.model,
-                    ",".join(hf_config.architectures or []), device, str(dtype).split(".")[-1],
-                    backend.value)
-        torch.manual_seed(config.seed)
-        self.model = build_model(hf_config, config.model, dtype, device, backend,
-                                 config.load_format)
+        check_parallel_fits(hf_config, config.tensor_parallel_size,
+                            config.enable_expert_parallel)
+        parallel = ParallelContext(0, config.tensor_parallel_size,
+                                   config.enable_expert_parallel)
+        # Followers start first and load their shards while this rank loads its own.
+        self.rank_group = RankGroup(config, rank_device(config.torch_device(), 0)) \
+            if parallel.tp_size > 1 else None
+        try:
+            loaded = load_model(config, parallel, hf_config)
+            self._set_up(loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
+                    time.monotonic() - started, self.resolved.max_model_len,
+                    self.resolved.num_kv_blocks, config.block_size)
+
+    def _set_up(self, loaded: LoadedModel) -> None:
+        config, hf_config, dtype, device = self.config, loaded.hf_config, loaded.dtype, \
+            loaded.device
+        max_model_len = loaded.max_model_len
+        self.model = loaded.model
         num_kv_blocks = _resolve_num_kv_blocks(config, max_model_len,
                                                kv_cache_bytes_per_block(self.model,
                                                                         config.block_size, dtype))
@@ -70,17 +86,11 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
-        if device.type == "cuda" and backend is KernelBackend.AITER_TRITON \
-                and not config.enforce_eager:
-            blockers = [name for name, m in self.model.named_modules()
-                        if not getattr(m, "supports_cuda_graphs", True)]
-            if blockers:
-                logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA "
-                            "graph", blockers[0], len(blockers) - 1)
-            else:
-                self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
-                                               max_model_len)
+        runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
+        self._maybe_enable_cuda_graphs(runner, device, max_model_len)
+        # With TP, rank 0's runner mirrors every step (and KV handoff) on the follower ranks.
+        self.runner = runner if self.rank_group is None else LeaderRunner(runner,
+                                                                          self.rank_group)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
@@ -88,8 +98,30 @@ class LLMEngine:
         # Requests ended here, by status: a finish reason, "abort", or "pinned" (handed off).
         self.num_finished: Counter[str] = Counter()
         self.last_step: StepStats | None = None
-        logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
-                    time.monotonic() - started, max_model_len, num_kv_blocks, config.block_size)
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks and leave their process group (TP); nothing to do on one
+        rank. Idempotent. Call it from the thread that drove the engine, after its last step."""
+        if self.rank_group is not None:
+            self.rank_group.shutdown()
+
+    def _maybe_enable_cuda_graphs(self, runner: ModelRunner, device: torch.device,
+                                  max_model_len: int) -> None:
+        """Decode graphs on a GPU with the aiter-triton kernels, unless an op cannot replay
+        (host-side decisions) or the model spans ranks (NCCL inside graphs: not done yet)."""
+        config = self.config
+        if device.type != "cuda" or config.enforce_eager or \
+                resolve_backend(config.kernels, device.type) is not KernelBackend.AITER_TRITON:
+            return
+        blockers = [name for name, m in self.model.named_modules()
+                    if not getattr(m, "supports_cuda_graphs", True)]
+        if config.tensor_parallel_size > 1:
+            blockers.insert(0, f"tensor_parallel_size={config.tensor_parallel_size}")
+        if blockers:
+            logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA graph",
+                        blockers[0], len(blockers) - 1)
+            return
+        runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs), max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, pin_after_prefill: bool = False
@@ -226,31 +258,6 @@ class LLMEngine:
                 self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
                 self.num_finished["pinned"] += 1
         return sampled
-
-
-def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(checkpoint, str):
-        checkpoint = DTYPES.get(checkpoint)
-    return checkpoint if checkpoint in DTYPES.values() and checkpoint != torch.float32 \
-        else torch.bfloat16
-
-
-def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if requested is None:
-        if limit is None:
-            raise ValueError("max_model_len is required: config.json has no "
-                             "max_position_embeddings")
-        return int(limit)
-    if limit is not None and requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's "
-                         f"max_position_embeddings={limit}")
-    return requested
 
 
 def _resolve_num_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int

@@ -10,7 +10,8 @@ from tandem.common.convert import layout_from_proto, layout_to_proto
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
-from tandem.workers.kv.block_payload import PayloadWriter, iter_payload_chunks
+from tandem.workers.kv.block_access import KVBlockAccess
+from tandem.workers.kv.block_payload import iter_payload_chunks
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
 
 logger = get_logger(__name__)
@@ -19,9 +20,10 @@ logger = get_logger(__name__)
 class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
 
-    def __init__(self, engine: AsyncEngine, layout: KVLayout) -> None:
+    def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess) -> None:
         self.engine = engine
         self.layout = layout
+        self.blocks = blocks
 
     async def PullKV(self, request, context):
         try:
@@ -38,9 +40,8 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                 f"start_block={request.start_block} outside [0, "
                                 f"{len(block_ids)}]")
-        kv_caches = self.engine.engine.runner.kv_caches
-        for layer, kv_index, offset, data in iter_payload_chunks(
-                kv_caches, block_ids[request.start_block:]):
+        kv_caches, payload_block_ids = await self.blocks.read(block_ids[request.start_block:])
+        for layer, kv_index, offset, data in iter_payload_chunks(kv_caches, payload_block_ids):
             yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
                                             data=data)
 
@@ -60,18 +61,19 @@ def _renew_and_get_blocks(engine, handle_id: str) -> list[int] | None:
 
 
 async def pull_kv(channel: grpc.aio.Channel, handle: worker_pb2.KVHandle, local: KVLayout,
-                  kv_caches, block_ids: list[int], start_block: int,
+                  blocks: KVBlockAccess, block_ids: list[int], start_block: int,
                   timeout: float | None) -> int:
     """Pull blocks [start_block, handle.num_blocks) of a handle into block_ids (the receiver's
     blocks for those positions). Returns the bytes received. Raises grpc.aio.AioRpcError or
     ValueError (incomplete transfer)."""
     stub = worker_pb2_grpc.KVTransferStub(channel)
-    writer = PayloadWriter(kv_caches, block_ids)
+    writer = blocks.writer(block_ids)
     request = worker_pb2.PullKVRequest(handle_id=handle.handle_id, start_block=start_block,
                                        expected_layout=layout_to_proto(local))
     async for chunk in stub.PullKV(request, timeout=timeout):
         writer.write(chunk.layer, chunk.kv_index, chunk.offset, chunk.data)
     writer.check_complete()
+    await blocks.commit(block_ids, writer)
     return writer.num_bytes
 
 

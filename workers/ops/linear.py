@@ -12,12 +12,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.workers.parallel.context import current_parallel
+
 
 def tp_rank_and_size() -> tuple[int, int]:
-    """This process's place in its tensor-parallel group (0, 1 without torch.distributed)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """The tensor-parallel rank and size the model is being built for (0, 1 unless the
+    engine set a `ParallelContext`; see workers/parallel/context.py)."""
+    context = current_parallel()
+    return context.tp_rank, context.tp_size
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

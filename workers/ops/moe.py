@@ -6,7 +6,10 @@ Expert weights are stacked so one kernel call can run every expert:
     w2  [E, H, I]     down ("w2")
 
 Under tensor parallelism every rank holds all E experts with its slice of I (w13 rows, w2
-columns) and the partial outputs are all-reduced, as in RowParallelLinear.
+columns) and the partial outputs are all-reduced, as in RowParallelLinear. Under expert
+parallelism (workers/parallel/context.py) rank r holds experts [r*E/N, (r+1)*E/N) whole; tokens
+reach their experts' ranks through an `ExpertDispatcher` (workers/parallel/expert_dispatch.py)
+and each rank runs its experts on the (token, expert) pairs it owns.
 
 Kernel seam: `FusedMoE` picks a `fused_moe(hidden, w13, w2, topk_weights, topk_ids, ...)`
 function once, at construction. The torch one sorts the (token, slot) pairs by expert and
@@ -26,6 +29,8 @@ from torch import nn
 
 from tandem.workers.ops.backend import KernelBackend, require_torch_backend
 from tandem.workers.ops.linear import tp_rank_and_size
+from tandem.workers.parallel.context import current_parallel
+from tandem.workers.parallel.expert_dispatch import make_dispatcher
 
 # Checkpoint shard ids: which projection of one expert a tensor holds.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -271,17 +276,17 @@ class FusedMoE(nn.Module):
         # Passed to the kernel only when not SiLU, so SiLU calls are what they always were.
         self._activation_kwargs = {} if activation == "silu" else dict(
             activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.num_experts = num_experts  # in the model; expert ids are always global
+        self._init_parallel()
         if intermediate_size % self.tp_size:
             raise ValueError(f"moe intermediate_size={intermediate_size} is not divisible by "
                              f"the TP size {self.tp_size}")
-        self.num_experts = num_experts
         self.intermediate_size = intermediate_size // self.tp_size  # on this rank
-        size = self.intermediate_size
-        self.w13 = self._parameter((num_experts, 2 * size, hidden_size), (GATE, UP))
-        self.w2 = self._parameter((num_experts, hidden_size, size), (DOWN,))
-        self.w13_bias = self._parameter((num_experts, 2 * size), (GATE, UP)) if bias else None
-        self.w2_bias = self._parameter((num_experts, hidden_size), (DOWN,)) if bias else None
+        size, local = self.intermediate_size, self.num_local_experts
+        self.w13 = self._parameter((local, 2 * size, hidden_size), (GATE, UP))
+        self.w2 = self._parameter((local, hidden_size, size), (DOWN,))
+        self.w13_bias = self._parameter((local, 2 * size), (GATE, UP)) if bias else None
+        self.w2_bias = self._parameter((local, hidden_size), (DOWN,)) if bias else None
         if backend is KernelBackend.AITER_TRITON:
             check_aiter_triton_args(activation, bias)
             from tandem.workers.ops.aiter_compat import load_aiter_triton
@@ -295,10 +300,30 @@ class FusedMoE(nn.Module):
             self.backend = require_torch_backend(backend, "fused_moe")
         self._fused_moe = _KERNELS[self.backend]
 
+    def _init_parallel(self) -> None:
+        """TP: every expert, a 1/tp slice of I (tp_rank, tp_size). EP: whole experts
+        [first_local_expert, + num_local_experts), and tp_size 1 for the slicing of I."""
+        context = current_parallel()
+        self.dispatcher = None
+        if not context.is_expert_parallel:
+            self.tp_rank, self.tp_size = tp_rank_and_size()
+            self.first_local_expert, self.num_local_experts = 0, self.num_experts
+            return
+        ep_rank, ep_size = context.tp_rank, context.tp_size
+        if self.num_experts % ep_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the expert "
+                             f"parallel size {ep_size}")
+        self.tp_rank, self.tp_size = 0, 1
+        self.num_local_experts = self.num_experts // ep_size
+        self.first_local_expert = ep_rank * self.num_local_experts
+        self.dispatcher = make_dispatcher(self.num_experts, ep_rank, ep_size)
+
     def _parameter(self, shape: tuple[int, ...], shards: tuple[str, ...]) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape), requires_grad=False)
         param.weight_loader = self.weight_loader
-        param.shard_ids = [(expert, shard) for expert in range(shape[0]) for shard in shards]
+        first = self.first_local_expert  # shard ids name global expert ids
+        param.shard_ids = [(first + expert, shard) for expert in range(shape[0])
+                           for shard in shards]
         param.num_shards = len(param.shard_ids)
         return param
 
@@ -312,6 +337,9 @@ class FusedMoE(nn.Module):
         is_w13 = param is self.w13 or param is self.w13_bias
         if is_w13 == (shard_id == DOWN):
             raise ValueError(f"{what}: shard {shard_id!r} does not belong in this parameter")
+        local_id = expert_id - self.first_local_expert
+        if not 0 <= local_id < self.num_local_experts:
+            return  # another expert-parallel rank holds this expert
         if loaded.dim() == param.dim():  # stacked over all experts
             if loaded.shape[0] != self.num_experts:
                 raise ValueError(f"{what}: expected {self.num_experts} stacked experts, "
@@ -320,7 +348,7 @@ class FusedMoE(nn.Module):
             full = self.intermediate_size * self.tp_size
             if is_w13 and loaded.shape[0] == 2 * full:  # [gate | up] of this expert
                 loaded = loaded.narrow(0, 0 if shard_id == GATE else full, full)
-        dst = param.data[expert_id]
+        dst = param.data[local_id]
         size = self.intermediate_size
         if is_w13:  # rows [0, I) gate, [I, 2I) up; this rank's slice of I
             dst = dst.narrow(0, 0 if shard_id == GATE else size, size)
@@ -345,6 +373,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+        if self.dispatcher is not None:
+            dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
+            out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
+                                          dispatched.topk_ids)
+            return self.dispatcher.combine(out, dispatched)
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
                               w13_bias=self.w13_bias,
                               w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
@@ -352,6 +385,25 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
+
+    def _run_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: sum of this rank's experts' weighted outputs per token, [R, H].
+
+        The (token, slot) pairs whose expert lives here run through the kernel as top-1
+        tokens, in ascending expert id, so each token's terms add in that order (as one
+        rank's kernel would add them)."""
+        local_ids = topk_ids - self.first_local_expert  # [R, k]
+        is_here = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        rows, slots = is_here.nonzero(as_tuple=True)  # [P]
+        pair_ids = local_ids[rows, slots]
+        order = torch.argsort(pair_ids, stable=True)
+        rows, slots, pair_ids = rows[order], slots[order], pair_ids[order]
+        pair_out = self._fused_moe(hidden[rows], self.w13, self.w2,
+                                   topk_weights[rows, slots].unsqueeze(1), pair_ids.unsqueeze(1),
+                                   w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                                   **self._activation_kwargs)  # [P, H]
+        return torch.zeros_like(hidden).index_add_(0, rows, pair_out)
 
 
 def expert_targets(experts_prefix: str, shard_id: str, expert_id: int | None,

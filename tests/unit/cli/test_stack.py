@@ -237,3 +237,17 @@ def test_worker_and_router_subcommands_forward_argv(monkeypatch):
     assert cli.main(["router", "--port", "1"]) == 7
     assert seen == [("tandem.workers.server", ["--role", "decode", "--help"]),
                     ("tandem.router.server", ["--port", "1"])]
+
+
+def test_up_passes_parallel_flags_to_every_worker_and_the_worker_accepts_them():
+    from tandem.workers.server import build_parser, engine_config
+
+    args = cli.build_parser().parse_args(["up", "--model", "/m", "--tensor-parallel-size", "2",
+                                          "--enable-expert-parallel"])
+    flags = cli._passed_flags(args, cli.WORKER_FLAGS)
+    assert flags == ["--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    worker_args = build_parser().parse_args(["--role", "prefill", "--model", "/m", "--port", "1",
+                                             *flags])
+    config = engine_config(worker_args)
+    assert config.tensor_parallel_size == 2 and config.enable_expert_parallel
+    assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.WORKER_FLAGS) == []

@@ -1,0 +1,89 @@
+"""A follower rank of a tensor-parallel worker (started by rank 0, never by hand):
+
+    python -m tandem.workers.parallel.follower --rank R --world-size N --store-port P
+        --parent-pid PID --num-threads T --engine-config JSON
+
+It joins rank 0's process group, loads its shards of the same model, allocates as many KV
+blocks as rank 0 did, then replays rank 0's commands until STOP (rank_runner.py). It never
+outlives rank 0: a watchdog thread exits when its parent pid changes (rank 0 died), and a
+collective with a dead rank 0 fails at once on the closed connection. SIGINT is ignored (a
+Ctrl-C reaches the whole process group; rank 0 decides when followers stop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_POLL_SECONDS = 0.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem.workers.parallel.follower")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--store-port", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--num-threads", type=int, required=True, help="torch threads (rank 0's)")
+    p.add_argument("--engine-config", required=True, help="EngineConfig fields as JSON")
+    return p
+
+
+def exit_when_orphaned(parent_pid: int) -> None:
+    """Exit this process as soon as `parent_pid` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+        print(f"follower {os.getpid()}: rank 0 (pid {parent_pid}) is gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from tandem.workers.engine.config import EngineConfig
+    from tandem.workers.engine.model_runner import ModelRunner
+    from tandem.workers.engine.model_setup import load_model
+    from tandem.workers.parallel.context import ParallelContext
+    from tandem.workers.parallel.process_group import (connect_follower_store,
+                                                       destroy_rank_group, init_rank_group,
+                                                       joined_key, rank_device)
+    from tandem.workers.parallel.rank_runner import follow_leader, num_kv_blocks_from_leader
+
+    torch.set_num_threads(args.num_threads)
+    config = EngineConfig(**json.loads(args.engine_config))
+    parallel = ParallelContext(args.rank, args.world_size, config.enable_expert_parallel)
+    device = rank_device(config.torch_device(), args.rank)
+    store = connect_follower_store(args.store_port, args.world_size)
+    store.set(joined_key(args.rank), "1")
+    control_group = init_rank_group(store, args.rank, args.world_size, device)
+    try:
+        loaded = load_model(config, parallel)
+        num_kv_blocks = num_kv_blocks_from_leader(control_group)
+        if num_kv_blocks is None:  # rank 0 stopped before it finished loading
+            return
+        runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, loaded.dtype,
+                             loaded.device)
+        follow_leader(runner, control_group, loaded.device)
+    finally:
+        destroy_rank_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_when_orphaned(args.parent_pid)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

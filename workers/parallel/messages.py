@@ -1,0 +1,89 @@
+"""What rank 0 tells its follower ranks, as int64 tensors (no pickling).
+
+Every command starts with a fixed-size header broadcast from rank 0 on the control group:
+
+    header [HEADER_LEN] int64 = [command, arg0, arg1, ...] (unused args are 0)
+
+and, for some commands, one int64 payload whose length the header gives:
+
+    STEP       args (T, B, M, N, max_query_len, max_seq_len); payload = the ModelInputs packed
+               as input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
+               block_tables[B*M] logits_indices[N]
+    GATHER_KV  args (num_blocks,); payload = block ids: every rank sends rank 0 its KV shard
+    SCATTER_KV args (num_blocks,); payload = block ids: rank 0 sends every rank its KV shard
+    STOP       no args: followers leave their loop and exit
+    KV_BLOCKS  args (num_kv_blocks,): sent once after loading, so every rank sizes its cache
+               exactly as rank 0 did
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from tandem.workers.engine.model_runner import ModelInputs
+from tandem.workers.ops.attention import AttentionMetadata
+
+HEADER_LEN = 8
+
+
+class Command(IntEnum):
+    STEP = 1
+    GATHER_KV = 2
+    SCATTER_KV = 3
+    STOP = 4
+    KV_BLOCKS = 5
+
+
+def make_header(command: Command, *args: int) -> torch.Tensor:
+    if len(args) > HEADER_LEN - 1:
+        raise ValueError(f"{command.name}: {len(args)} args do not fit a {HEADER_LEN}-long header")
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = int(command)
+    header[1:1 + len(args)] = torch.tensor(args, dtype=torch.int64)
+    return header
+
+
+def pack_inputs(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelInputs -> (header, payload), both int64 on the host."""
+    meta = inputs.meta
+    num_tokens = inputs.input_ids.numel()
+    num_seqs, max_blocks = meta.block_tables.shape
+    parts = [inputs.input_ids, inputs.positions, meta.slot_mapping, meta.query_start_loc,
+             meta.seq_lens, meta.block_tables.reshape(-1), inputs.logits_indices]
+    payload = torch.cat([part.to(device="cpu", dtype=torch.int64) for part in parts])
+    header = make_header(Command.STEP, num_tokens, num_seqs, max_blocks,
+                         inputs.logits_indices.numel(), meta.max_query_len, meta.max_seq_len)
+    return header, payload
+
+
+def payload_length(header: torch.Tensor) -> int:
+    """How many int64 values follow a header (0 for commands without a payload)."""
+    command = Command(int(header[0]))
+    if command is Command.STEP:
+        num_tokens, num_seqs, max_blocks, num_logits = header[1:5].tolist()
+        return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
+    if command in (Command.GATHER_KV, Command.SCATTER_KV):
+        return int(header[1])
+    return 0
+
+
+def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
+                  device: torch.device) -> ModelInputs:
+    """The inverse of `pack_inputs`, with tensors on `device` in the dtypes the runner uses."""
+    num_tokens, num_seqs, max_blocks, num_logits, max_query_len, max_seq_len = \
+        header[1:7].tolist()
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
+             num_seqs * max_blocks, num_logits]
+    (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+     logits_indices) = payload.split(sizes)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
+        block_tables=block_tables.view(num_seqs, max_blocks).to(device=device,
+                                                                dtype=torch.int32),
+        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        query_start_loc_host=query_start_loc.tolist(), seq_lens_host=seq_lens.tolist())
+    return ModelInputs(input_ids.to(device), positions.to(device), meta,
+                       logits_indices.to(device))

@@ -1,0 +1,176 @@
+"""Both sides of a TP worker's step protocol: rank 0 leads, followers replay.
+
+Rank 0 (`LeaderRunner`) wraps its ModelRunner: for each step it prepares the inputs, sends
+them to the followers (messages.py), and runs the model like every other rank, so the model's
+all-reduces pair up. Followers (`follow_leader`) loop: receive a command, do it, repeat.
+
+Invariant: collectives on a worker's groups are issued in the same order on every rank. On
+rank 0 they are issued only by the thread that drives the engine (the engine thread while it
+runs; the constructing or stopping thread before and after), never by a gRPC handler: the
+KV handoff reaches the other ranks' shards through `gather_kv_blocks` / `scatter_kv_blocks`,
+which the servicers run as engine commands.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from tandem.common.logging import get_logger
+from tandem.workers.engine.config import EngineConfig
+from tandem.workers.engine.model_runner import ModelRunner
+from tandem.workers.engine.scheduler import SchedulerOutput
+from tandem.workers.parallel.followers import FollowerProcesses
+from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, local_share,
+                                               split_joined, write_local_share)
+from tandem.workers.parallel.messages import (HEADER_LEN, Command, make_header, pack_inputs,
+                                              payload_length, unpack_inputs)
+from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
+                                                   open_leader_store)
+
+logger = get_logger(__name__)
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+class RankGroup:
+    """Rank 0's end of a worker's process group: the followers and the control channel."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.tp_size = config.tensor_parallel_size
+        self._store = open_leader_store(self.tp_size)  # must outlive the group's rendezvous
+        self.followers = FollowerProcesses(config, self._store.port)
+        try:
+            self.followers.wait_joined(self._store)
+            self.control_group = init_rank_group(self._store, 0, self.tp_size, device)
+        except BaseException:
+            self.followers.kill()
+            raise
+        self._is_stopped = False
+
+    def send(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+        dist.broadcast(header, 0, group=self.control_group)
+        if payload is not None and payload.numel():
+            dist.broadcast(payload, 0, group=self.control_group)
+
+    @contextmanager
+    def fatal_on_error(self, what: str) -> Iterator[None]:
+        """Around a sequence of collectives: if it raises part-way, the ranks no longer agree
+        on what comes next, so the group is ended (followers killed; a watcher sees it)."""
+        try:
+            yield
+        except BaseException:
+            logger.exception("%s failed on rank 0; ending the follower ranks", what)
+            self.followers.end_after_failure()
+            raise
+
+    def shutdown(self) -> None:
+        """Tell the followers to stop, wait for them, leave the group. Idempotent."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
+        try:
+            self.send(make_header(Command.STOP))
+        except Exception as exc:  # a follower already died: kill the rest below
+            logger.warning("could not send STOP to the followers: %s", exc)
+        self.followers.wait_exited(STOP_TIMEOUT_SECONDS)
+        destroy_rank_group()
+
+
+class LeaderRunner:
+    """Rank 0's model runner: what the engine calls, with every step mirrored on the followers."""
+
+    def __init__(self, runner: ModelRunner, group: RankGroup) -> None:
+        self.runner = runner
+        self.group = group
+        num_kv_blocks = runner.kv_caches[0][0].shape[0]
+        group.send(make_header(Command.KV_BLOCKS, num_kv_blocks))
+
+    @property
+    def kv_caches(self) -> KVCaches:
+        """Rank 0's shard of the KV cache."""
+        return self.runner.kv_caches
+
+    @property
+    def tp_size(self) -> int:
+        return self.group.tp_size
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
+        inputs = self.runner.prepare_inputs(batch)
+        with self.group.fatal_on_error("model step"):
+            self.group.send(*pack_inputs(inputs))
+            return self.runner.execute(inputs)
+
+    def gather_kv_blocks(self, block_ids: list[int]) -> KVCaches:
+        """Every rank's KV heads of `block_ids`, joined (kv_shards.py); block i of the result
+        is block_ids[i]. Engine thread only."""
+        with self.group.fatal_on_error("KV gather"):
+            self.group.send(make_header(Command.GATHER_KV, len(block_ids)),
+                            torch.tensor(block_ids, dtype=torch.int64))
+            share = local_share(self.kv_caches, block_ids)
+            shares = [torch.empty_like(share) for _ in range(self.tp_size)]
+            dist.gather(share, shares, dst=0)
+        return join_shares(shares, len(self.kv_caches[0]))
+
+    def scatter_kv_blocks(self, block_ids: list[int], joined: KVCaches) -> None:
+        """Write joined KV (as `gather_kv_blocks` returns it) into `block_ids` on every rank.
+        Engine thread only."""
+        device = self.kv_caches[0][0].device
+        shares = [s.to(device) for s in split_joined(joined, self.tp_size)]
+        with self.group.fatal_on_error("KV scatter"):
+            self.group.send(make_header(Command.SCATTER_KV, len(block_ids)),
+                            torch.tensor(block_ids, dtype=torch.int64))
+            mine = torch.empty_like(shares[0])
+            dist.scatter(mine, shares, src=0)
+        write_local_share(self.kv_caches, block_ids, mine)
+
+
+def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
+                  device: torch.device) -> None:
+    """A follower's life after loading: replay rank 0's commands until STOP.
+
+    Raises (and the process should exit) when rank 0 goes away mid-collective."""
+    while True:
+        header = _receive_header(control_group)
+        command = Command(int(header[0]))
+        payload = torch.empty(payload_length(header), dtype=torch.int64)
+        if payload.numel():
+            dist.broadcast(payload, 0, group=control_group)
+        if command is Command.STOP:
+            return
+        if command is Command.STEP:
+            with torch.inference_mode():
+                runner.execute(unpack_inputs(header, payload, device))
+        elif command is Command.GATHER_KV:
+            dist.gather(local_share(runner.kv_caches, payload.tolist()), None, dst=0)
+        elif command is Command.SCATTER_KV:
+            block_ids = payload.tolist()
+            like = runner.kv_caches[0][0]
+            num_tensors = sum(len(layer) for layer in runner.kv_caches)
+            mine = torch.empty((num_tensors, len(block_ids), *like.shape[1:]),
+                               dtype=like.dtype, device=like.device)
+            dist.scatter(mine, None, src=0)
+            write_local_share(runner.kv_caches, block_ids, mine)
+        else:
+            raise RuntimeError(f"unexpected command {command.name}")
+
+
+def num_kv_blocks_from_leader(control_group: ProcessGroup | None) -> int | None:
+    """The first message a follower receives: how many KV blocks rank 0 allocated (None:
+    rank 0 stopped before it finished loading)."""
+    header = _receive_header(control_group)
+    command = Command(int(header[0]))
+    if command is Command.STOP:
+        return None
+    if command is not Command.KV_BLOCKS:
+        raise RuntimeError(f"expected KV_BLOCKS first, got {command.name}")
+    return int(header[1])
+
+
+def _receive_header(control_group: ProcessGroup | None) -> torch.Tensor:
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, 0, group=control_group)
+    return header
