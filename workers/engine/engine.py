@@ -6,10 +6,10 @@ Not thread-safe: one thread drives `step()`.
 from __future__ import annotations
 
 import time
-
-import torch
 from collections import Counter
 from dataclasses import dataclass
+
+import torch
 
 from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
