@@ -25,7 +25,8 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--block-size", int), ("--num-kv-blocks", int), ("--max-num-seqs", int),
                 ("--max-num-batched-tokens", int), ("--kv-lease-seconds", float),
                 ("--no-prefix-caching", "switch"), ("--tensor-parallel-size", int),
-                ("--enable-expert-parallel", "switch")]
+                ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
+                ("--load-format", str)]
 ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int)]
 # Services drain for --grace seconds after SIGTERM; `up` allows this much more before SIGKILL.
 EXIT_MARGIN_S = 2.0

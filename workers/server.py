@@ -44,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--kernels", default="auto")
+    p.add_argument("--kernels", default="auto",
+                   help="auto (aiter-triton on a GPU with amd-aiter installed, else torch) | "
+                        "aiter-triton | torch")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run every GPU decode step eagerly")
+    p.add_argument("--load-format", default="auto",
+                   help="auto (the checkpoint's safetensors) | dummy (random weights from "
+                        "config.json alone, for benchmarks)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int)
@@ -83,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_lease_seconds=args.kv_lease_seconds,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel)
+        enable_expert_parallel=args.enable_expert_parallel,
+        enforce_eager=args.enforce_eager, load_format=args.load_format)
 
 
 async def serve(args: argparse.Namespace) -> None:

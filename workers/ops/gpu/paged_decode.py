@@ -149,14 +149,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
     included). num_splits: a power of two (see num_splits_for). Launch defaults from
-    bench/tune_kernels.py on an H100 (cold KV): 64-key tiles, 4 warps, software pipelining
-    (3 stages) only where one program loops over many tiles (a single split).
+    bench/tune_kernels.py and bench/engine.py on an H100: 64-key tiles, 4 warps, 3 pipeline
+    stages for a single split (one program loops over many tiles), else 2 (whole model steps
+    at batch 1-8 ran ~2-4% faster than with 1, within one kernel's timing noise alone).
 
     Tried and dropped: combining the splits in the same launch (the last split to finish, by
     an atomic counter, reduces the others): batch 1 x 4k took 14-21 us instead of 12 us.
     """
     if num_stages is None:
-        num_stages = 3 if num_splits == 1 else 1
+        num_stages = 3 if num_splits == 1 else 2
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads:
