@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tandem.workers.ops.aiter_compat import aiter_available
-from tandem.workers.ops.moe import aiter_triton_fused_moe, select_experts, torch_fused_moe
+from tandem.workers.ops.moe import select_experts, torch_fused_moe
+from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe
 
 if not aiter_available():
     pytest.skip("amd-aiter is not installed (pip install amd-aiter)", allow_module_level=True)
@@ -66,7 +67,7 @@ def test_fused_moe_module_runs_on_aiter_backend():
 
 def main() -> None:  # pragma: no cover - GPU bench
     from triton.testing import do_bench
-    from tandem.workers.ops.moe import aiter_moe_config
+    from tandem.workers.ops.moe_aiter import aiter_moe_config
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'E':>4} {'k':>2} {'H':>5} {'I':>4} {'T':>5} {'BM':>4} "

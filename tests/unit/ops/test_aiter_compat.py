@@ -9,8 +9,8 @@ import torch
 
 from tandem.workers.ops import aiter_compat, moe
 from tandem.workers.ops.backend import KernelBackend
-from tandem.workers.ops.moe import (FusedMoE, aiter_triton_fused_moe, align_by_expert,
-                                    torch_fused_moe)
+from tandem.workers.ops.moe import FusedMoE, torch_fused_moe
+from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe, align_by_expert
 
 
 def test_import_is_lazy():
