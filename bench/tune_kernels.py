@@ -53,10 +53,29 @@ def tune_attention(copy_bps: float) -> list[str]:
     return lines
 
 
+def compare_matmul_forms(copy_bps: float) -> list[str]:
+    """cuBLAS through F.linear (x W^T) against torch.mv (W x) for one row, cold weights."""
+    lines = []
+    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                         "down": (4096, 14336)}.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=BF16)
+                   for _ in range(copies_to_defeat_l2(n * k * 2))]
+        x = torch.randn(1, k, device="cuda", dtype=BF16)
+        floor = n * k * 2 / copy_bps
+        linear = time_graphed(lambda i: torch.nn.functional.linear(x, weights[i % len(weights)]))
+        mv = time_graphed(lambda i: torch.mv(weights[i % len(weights)], x[0]))
+        lines.append(f"matmul {name} 1x{k}x{n}: F.linear {linear * 1e6:.1f} us "
+                     f"({floor / linear:.0%} of copy BW), torch.mv {mv * 1e6:.1f} us "
+                     f"({floor / mv:.0%})")
+        del weights
+    return lines
+
+
 def main() -> int:
     limits = measure_limits()
     lines = [f"{limits.name}: copy {limits.copy_bytes_per_s / 1e12:.2f} TB/s"]
     lines += tune_attention(limits.copy_bytes_per_s)
+    lines += compare_matmul_forms(limits.copy_bytes_per_s)
     print("\n".join(lines))
     return 0
 
