@@ -136,12 +136,27 @@ def shape_of(model: torch.nn.Module, hf_config, top_k: int = 0) -> ModelShape:
         per_expert = sum(p[0].numel() for p in (moe.w13, moe.w2))
         expert_bytes = per_expert * moe.w13.element_size()
         expert_flops = 2 * per_expert * top_k * len(moe_layers)
-    attn = next(m for m in model.modules() if type(m).__name__ == "Attention")
-    kv_bytes = 2 * attn.num_kv_heads * attn.head_dim * embed.element_size()
-    return ModelShape(hf_config.num_hidden_layers, hf_config.hidden_size, attn.num_heads,
-                      attn.num_kv_heads, attn.head_dim, hf_config.vocab_size, dense_bytes,
+    num_heads, num_kv_heads, head_dim, kv_bytes = _attention_shape(model, embed.element_size())
+    return ModelShape(hf_config.num_hidden_layers, hf_config.hidden_size, num_heads,
+                      num_kv_heads, head_dim, hf_config.vocab_size, dense_bytes,
                       expert_bytes, len(moe_layers), kv_bytes, dense_flops, expert_flops,
                       2 * hf_config.vocab_size * hf_config.hidden_size)
+
+
+def _attention_shape(model: torch.nn.Module, itemsize: int) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, head_dim, cache bytes per token and layer) of the first
+    attention op. MLA (ops/mla.py) caches one latent row of kv_lora_rank + rope dims and no
+    per-head K/V: one "KV head"; its head_dim is the mean of the q.k and the v widths, so that
+    prefill_flops' 2 * head_dim per query-key pair counts QK^T (Dn + P) plus PV (Dv)."""
+    for m in model.modules():
+        name = type(m).__name__
+        if name == "Attention":
+            return (m.num_heads, m.num_kv_heads, m.head_dim,
+                    2 * m.num_kv_heads * m.head_dim * itemsize)
+        if name == "MLAAttention":
+            qk_v = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim
+            return m.num_heads, 1, qk_v // 2, m.latent_dim * itemsize
+    raise ValueError("no Attention or MLAAttention module in the model")
 
 
 def _tied(hf_config) -> bool:

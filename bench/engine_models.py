@@ -35,7 +35,27 @@ def _qwen3_30b_a3b() -> Any:
         architectures=["Qwen3MoeForCausalLM"], dtype="bfloat16")
 
 
-MODELS = {"llama3-8b": _llama3_8b, "qwen3-30b-a3b": _qwen3_30b_a3b}
+def _deepseek_v3_slice() -> Any:
+    """DeepSeek-V3's published config at full width, cut to 4 layers (1 dense, 3 MoE): MLA with
+    128 heads, 256 routed experts + 1 shared, top-8 in 8 groups, YaRN. bf16 weights ~74 GB
+    (each MoE layer 22.5 GB): it fits an H200; on an 80 GB H100 little is left for the KV."""
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=128,
+        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        rope_interleave=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        architectures=["DeepseekV3ForCausalLM"], dtype="bfloat16")
+
+
+MODELS = {"llama3-8b": _llama3_8b, "qwen3-30b-a3b": _qwen3_30b_a3b,
+          "deepseek-v3-slice": _deepseek_v3_slice}
 
 
 def write_model_dir(name: str, root: Path) -> Path:

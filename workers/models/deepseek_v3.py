@@ -79,7 +79,7 @@ class DeepseekV3Attention(nn.Module):
             is_neox_style=not getattr(config, "rope_interleave", True))
         self.attn = MLAAttention(self.num_heads, self.nope_dim, self.rope_dim, self.v_head_dim,
                                  self.kv_lora_rank, yarn_softmax_scale(params, qk_head_dim),
-                                 KernelBackend.TORCH)  # no GPU MLA kernel yet (issue 8)
+                                 backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -40,27 +40,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.ops.attention import AttentionMetadata, gather_kv
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 
 
 class MLAAttention(nn.Module):
     """Owns one layer's latent cache; the model passes its kv_b_proj weight to every call (the
-    up-projections live in the model, under their checkpoint name)."""
+    up-projections live in the model, under their checkpoint name).
+
+    Backends: torch (`mla_attention_torch`, any device) and aiter-triton (mla_gpu.py: our
+    split-KV Triton decode kernel over the latent cache, SDPA for prefills)."""
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, scale: float,
                  backend: KernelBackend = KernelBackend.TORCH) -> None:
         super().__init__()
-        self.backend = require_torch_backend(backend, "mla_attention")
+        if backend not in (KernelBackend.TORCH, KernelBackend.AITER_TRITON):
+            raise ValueError(f"mla_attention: kernel backend {backend.value!r} is not "
+                             "implemented")
+        self.backend = backend
         self.num_heads = num_heads
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.scale = scale
-        # The torch reference reads host-side lengths: a CUDA graph would freeze them.
-        self.supports_cuda_graphs = False
         self.latent_cache: torch.Tensor | None = None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """The torch reference reads host-side lengths (a CUDA graph would freeze them); the
+        aiter-triton decode path reads lengths and block tables from device memory only."""
+        return self.backend is KernelBackend.AITER_TRITON
 
     @property
     def latent_dim(self) -> int:
@@ -87,6 +97,9 @@ class MLAAttention(nn.Module):
                     self.kv_lora_rank)
         if tuple(kv_b_weight.shape) != expected:
             raise ValueError(f"kv_b_proj weight shape {tuple(kv_b_weight.shape)} != {expected}")
+        if self.backend is KernelBackend.AITER_TRITON:
+            from tandem.workers.ops.mla_gpu import mla_forward_gpu
+            return mla_forward_gpu(self, q_nope, q_pe, kv_c, k_pe, kv_b_weight, meta)
         write_latent_cache(kv_c, k_pe, self.latent_cache, meta.slot_mapping)
         return mla_attention_torch(q_nope, q_pe, self.latent_cache, kv_b_weight, meta,
                                    self.scale, self.v_head_dim)
