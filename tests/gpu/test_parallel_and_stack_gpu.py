@@ -1,0 +1,56 @@
+"""The GPU paths of the split and of tensor/expert parallelism, as real processes.
+
+* A router -> prefill -> decode stack whose workers run the aiter-triton kernels on one GPU
+  (KV moves from one GPU cache to the other through the gRPC backend) gives transformers'
+  greedy tokens, and both workers end with no KV in use.
+* With two or more GPUs: TP=2 (NCCL all-reduces, ranks on cuda:0 and cuda:1) and EP=2 give
+  transformers' greedy tokens offline, in fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.checkpoints import PARITY_LENGTHS, assert_greedy_parity, random_prompts
+from helpers.client import generate, request, worker_load
+from helpers.processes import start_stack, stop
+
+from tandem import LLM
+from tandem.workers.ops.aiter_compat import aiter_available
+
+needs_aiter = pytest.mark.skipif(not aiter_available(), reason="amd-aiter is not installed")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@needs_aiter
+def test_prefill_decode_stack_on_gpu_gives_transformers_tokens(checkpoint, tmp_path):
+    ckpt = checkpoint("qwen3")
+    stack = start_stack(ckpt.path, tmp_path, worker_args=[
+        "--device", "cuda", "--kernels", "aiter-triton", "--max-num-seqs", "8"])
+    try:
+        for prompt in random_prompts([1, 33, 200], seed=81):
+            result = generate(stack.router.address, request(prompt, max_tokens=24))
+            assert result.token_ids == ckpt.greedy(prompt, 24), f"{len(prompt)}-token prompt"
+        for worker in stack.workers.values():
+            load = worker_load(worker.address)
+            assert load.kv_usage == 0 and load.num_pinned == 0
+    finally:
+        stop(stack.processes)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("kernels", ["torch", "aiter-triton"])
+def test_tensor_parallel_on_two_gpus(checkpoint, kernels):
+    if kernels == "aiter-triton" and not aiter_available():
+        pytest.skip("amd-aiter is not installed")
+    ckpt = checkpoint("qwen3")
+    with LLM(ckpt.path, dtype="float32", device="cuda", kernels=kernels,
+             tensor_parallel_size=2) as llm:
+        assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=82))
+
+
+@needs_two_gpus
+def test_expert_parallel_on_two_gpus(moe_checkpoint):
+    ckpt = moe_checkpoint("qwen3_moe")
+    with LLM(ckpt.path, dtype="float32", device="cuda", kernels="torch",
+             tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS[:5], seed=83))
