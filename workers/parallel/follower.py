@@ -68,13 +68,20 @@ def run(args: argparse.Namespace) -> None:
     try:
         loaded = load_model(config, parallel)
         num_kv_blocks = num_kv_blocks_from_leader(control_group)
-        if num_kv_blocks is None:  # rank 0 stopped before it finished loading
-            return
-        runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, loaded.dtype,
-                             loaded.device)
-        follow_leader(runner, control_group, loaded.device)
-    finally:
+        if num_kv_blocks is not None:  # None: rank 0 stopped before it finished loading
+            runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, loaded.dtype,
+                                 loaded.device)
+            follow_leader(runner, control_group, loaded.device)
+    except BaseException:
         destroy_rank_group()
+        raise
+    # Told to stop: exit without tearing the process group down. NCCL's teardown waits for
+    # every rank's, and rank 0 tears down only once its followers have exited, so a teardown
+    # here blocked until rank 0's stop timeout killed us (seen on 2 H200s); the OS releases
+    # the communicators at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
