@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             top = [logprob for _, logprob in a.logprobs[diff].top_logprobs]
             margin = f"{top[0] - top[1]:.3f}" if len(top) >= 2 else "?"
         print(f"{len(prompt):>7} {str(diff is None):>9} {str(diff):>10} {margin:>18}")
+    # The first generated token has the same prefix in both runs: compare its distribution.
+    first = [abs(dict(a.logprobs[0].top_logprobs).get(t, float("nan")) - lp)
+             for a, b in zip(one, many) for t, lp in b.logprobs[0].top_logprobs]
     print(f"TP={args.tp} vs TP=1, {args.model}, bf16: {same}/{len(prompts)} prompts give "
-          f"identical first {args.tokens} tokens")
+          f"identical first {args.tokens} tokens; first-token top-2 log-probabilities differ "
+          f"by at most {max(first):.4f} (nan: a different top-2)")
     return 0
 
 
