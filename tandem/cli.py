@@ -24,6 +24,7 @@ SERVICES = {"worker": "tandem.workers.server", "router": "tandem.router.server"}
 WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max-model-len", int),
                 ("--block-size", int), ("--num-kv-blocks", int), ("--max-num-seqs", int),
                 ("--max-num-batched-tokens", int), ("--kv-lease-seconds", float),
+                ("--kv-transfer", str),
                 ("--no-prefix-caching", "switch"), ("--tensor-parallel-size", int),
                 ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
                 ("--load-format", str)]

@@ -25,6 +25,9 @@ from tandem.workers.engine.config import EngineConfig
 from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
+from tandem.workers.kv.receiver import KVReceiver
+from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, check_kv_transfer,
+                                         offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
 
@@ -58,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
+    p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_MODES,
+                   help="how prompt KV moves between workers: auto (cuda-ipc, GPU to GPU, "
+                        "between one-rank CUDA workers on one host, else grpc) | grpc | "
+                        "cuda-ipc (required: a handle that cannot use it fails)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (one per GPU; this one is "
@@ -98,6 +105,9 @@ async def serve(args: argparse.Namespace) -> None:
     from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
 
     config = engine_config(args)
+    # Before loading the model: refuse what cannot work whatever "auto" resolves to.
+    check_kv_transfer(args.kv_transfer, "cpu" if args.device == "cpu" else "cuda",
+                      args.tensor_parallel_size)
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
     engine = await asyncio.to_thread(LLMEngine, config)
@@ -125,12 +135,24 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
                                      tp_size=engine.config.tensor_parallel_size)
     blocks = kv_block_access(async_engine)
     peers = PeerChannels(tls)
+    device = engine.runner.kv_caches[0][0].device
+    tp_size = engine.config.tensor_parallel_size
+    transports = offered_transports(args.kv_transfer, device.type, tp_size)
+    exporter = None
+    if CUDA_IPC in transports:
+        from tandem.workers.kv.cuda_ipc import CudaIpcExporter
+
+        exporter = CudaIpcExporter(engine.runner.kv_caches, layout)
+    receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
+                          tp_size)
+    logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
-                       metrics), server)
+                       metrics, kv_receiver=receiver, kv_transports=transports,
+                       cuda_ipc_endpoint=exporter.endpoint if exporter else None), server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
-        KVTransferServicer(async_engine, layout, blocks), server)
+        KVTransferServicer(async_engine, layout, blocks, exporter), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

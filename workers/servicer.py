@@ -22,6 +22,7 @@ from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.grpc_backend import pull_kv, release_kv
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+from tandem.workers.kv.transport import KVTransportUnavailable
 
 logger = get_logger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -50,7 +51,9 @@ class PeerChannels:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, role: str, model_name: str, address: str,
                  layout: KVLayout, peers: PeerChannels, blocks: KVBlockAccess,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, kv_receiver=None,
+                 kv_transports: list[str] | None = None,
+                 cuda_ipc_endpoint: worker_pb2.CudaIpcEndpoint | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         self.engine = engine
@@ -61,6 +64,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.peers = peers
         self.blocks = blocks  # where pulled KV is written (every TP rank's share)
         self.metrics = metrics
+        self.kv_receiver = kv_receiver  # a kv.receiver.KVReceiver; None: grpc only
+        self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
+        self.cuda_ipc_endpoint = cuda_ipc_endpoint
         self._tasks: dict[str, asyncio.Task] = {}
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -197,13 +203,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             handle_id=request_id, backend="grpc", source_address=self.address,
             layout=layout_to_proto(self.layout), num_tokens=num_tokens,
             num_blocks=-(-num_tokens // self.layout.block_size),
-            lease_expires_at=time.time() + lease)
+            lease_expires_at=time.time() + lease, transports=self.kv_transports,
+            cuda_ipc=self.cuda_ipc_endpoint)
 
     async def _receive_kv(self, request, params, prompt, generated, context) -> float:
         """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
         and start decoding. Returns the seconds the pull took."""
         handle = request.kv_handle
-        if handle.backend != "grpc":
+        if handle.backend != "grpc" and "grpc" not in handle.transports:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV backend {handle.backend!r} is not available here")
         try:
@@ -216,9 +223,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         channel = self.peers.get(handle.source_address)
         started = time.monotonic()
         try:
-            num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
-                                      start_block, timeout=context.time_remaining())
-        except (grpc.aio.AioRpcError, ValueError) as exc:
+            if self.kv_receiver is None:
+                num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
+                                          start_block, timeout=context.time_remaining())
+            else:
+                num_bytes, _ = await self.kv_receiver.pull(
+                    channel, handle.source_address, handle, block_ids, start_block,
+                    timeout=context.time_remaining())
+        except (grpc.aio.AioRpcError, ValueError, KVTransportUnavailable) as exc:
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

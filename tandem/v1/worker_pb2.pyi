@@ -54,7 +54,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at")
+    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at", "transports", "cuda_ipc")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     backend: str
     source_address: str
@@ -69,7 +71,19 @@ class KVHandle(_message.Message):
     num_tokens: int
     num_blocks: int
     lease_expires_at: float
-    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    cuda_ipc: CudaIpcEndpoint
+    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ...) -> None: ...
+
+class CudaIpcEndpoint(_message.Message):
+    __slots__ = ("host_id", "device_uuid", "export_id")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    device_uuid: str
+    export_id: str
+    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., export_id: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("kind", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "tp_rank", "tp_size")
@@ -162,6 +176,62 @@ class PullKVRequest(_message.Message):
     start_block: int
     expected_layout: KVLayout
     def __init__(self, handle_id: _Optional[str] = ..., start_block: _Optional[int] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class ExportKVCacheRequest(_message.Message):
+    __slots__ = ("expected_layout",)
+    EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    expected_layout: KVLayout
+    def __init__(self, expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class ExportKVCacheResponse(_message.Message):
+    __slots__ = ("endpoint", "layout", "tensors")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: CudaIpcEndpoint
+    layout: KVLayout
+    tensors: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
+    def __init__(self, endpoint: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
+
+class CudaIpcTensor(_message.Message):
+    __slots__ = ("storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "stride", "storage_offset")
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    def __init__(self, storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ...) -> None: ...
+
+class LeaseKVRequest(_message.Message):
+    __slots__ = ("handle_id", "start_block")
+    HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    handle_id: str
+    start_block: int
+    def __init__(self, handle_id: _Optional[str] = ..., start_block: _Optional[int] = ...) -> None: ...
+
+class LeaseKVResponse(_message.Message):
+    __slots__ = ("block_ids", "lease_seconds")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_seconds: float
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullKVResponse(_message.Message):
     __slots__ = ("layer", "kv_index", "offset", "data")

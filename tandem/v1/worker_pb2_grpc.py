@@ -239,7 +239,8 @@ class Worker:
 
 
 class KVTransferStub:
-    """KV transfer, grpc backend: the decode worker pulls pinned blocks from the prefill worker.
+    """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
+    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
     """
 
     def __init__(self, channel):
@@ -258,10 +259,21 @@ class KVTransferStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
+        self.ExportKVCache = channel.unary_unary(
+                '/tandem.v1.KVTransfer/ExportKVCache',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ExportKVCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ExportKVCacheResponse.FromString,
+                _registered_method=True)
+        self.LeaseKV = channel.unary_unary(
+                '/tandem.v1.KVTransfer/LeaseKV',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
-    """KV transfer, grpc backend: the decode worker pulls pinned blocks from the prefill worker.
+    """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
+    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
     """
 
     def PullKV(self, request, context):
@@ -273,6 +285,23 @@ class KVTransferServicer:
 
     def ReleaseKV(self, request, context):
         """Unpins a handle's blocks on the prefill worker. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKVCache(self, request, context):
+        """cuda-ipc: CUDA IPC handles of the whole KV cache, fetched once per peer (and again when
+        the handle's export_id changes). FAILED_PRECONDITION on a layout mismatch or when the
+        worker does not offer cuda-ipc.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseKV(self, request, context):
+        """cuda-ipc: renews a handle's lease and returns its pinned block ids, which the caller may
+        read until it calls ReleaseKV or the lease ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +320,16 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKVRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKVResponse.SerializeToString,
             ),
+            'ExportKVCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKVCache,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ExportKVCacheRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ExportKVCacheResponse.SerializeToString,
+            ),
+            'LeaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseKV,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'tandem.v1.KVTransfer', rpc_method_handlers)
@@ -300,7 +339,8 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """KV transfer, grpc backend: the decode worker pulls pinned blocks from the prefill worker.
+    """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
+    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
     """
 
     @staticmethod
@@ -347,6 +387,60 @@ class KVTransfer:
             '/tandem.v1.KVTransfer/ReleaseKV',
             tandem_dot_v1_dot_worker__pb2.ReleaseKVRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKVCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/ExportKVCache',
+            tandem_dot_v1_dot_worker__pb2.ExportKVCacheRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ExportKVCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/LeaseKV',
+            tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,10 +97,12 @@ class Stack:
 
 def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: int = 1,
                 num_both: int = 0, worker_args: list[str] = (),
-                router_args: list[str] = ()) -> Stack:
+                router_args: list[str] = (), role_args: dict[str, list[str]] | None = None
+                ) -> Stack:
     """Workers first, then the router (as `tandem up` does: its first health check then sees
     every worker, so requests spread over all of them from the start); returns once every
-    process reports SERVING."""
+    process reports SERVING. worker_args go to every worker, role_args[role] (e.g.
+    {"decode": ["--device", "cuda:1"]}) after them to that role's workers only."""
     workers: dict[str, Process] = {}
     roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
     by_role: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
@@ -110,7 +112,8 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
             name = f"{role}-{i}"
             workers[name] = start(name, ["tandem.workers.server", "--role", role, "--model",
                                          str(model), "--port", str(port), "--dtype", "float32",
-                                         *worker_args], port, log_dir)
+                                         *worker_args, *(role_args or {}).get(role, [])],
+                                 port, log_dir)
             by_role[role].append(workers[name].address)
     try:
         wait_serving(list(workers.values()))

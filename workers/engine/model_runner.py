@@ -52,11 +52,23 @@ class ModelRunner:
         if not layers:
             raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
         # [layer] -> that op's tensors, each [num_kv_blocks, block_size, ...]: (K, V) for MHA,
-        # (latent,) for MLA.
+        # (latent,) for MLA. When every layer's tensors have one shape they are contiguous
+        # slices of one allocation, equally spaced (layer-major), so a KV transfer can gather
+        # a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
+        shapes = [list(layer.kv_cache_shapes(num_kv_blocks, block_size)) for layer in layers]
+        stack = None
+        if all(shape == shapes[0][0] for layer_shapes in shapes for shape in layer_shapes):
+            stack = torch.zeros((sum(map(len, shapes)), *shapes[0][0]), dtype=dtype,
+                                device=device)
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        for layer in layers:
-            caches = tuple(torch.zeros(shape, dtype=dtype, device=device)
-                           for shape in layer.kv_cache_shapes(num_kv_blocks, block_size))
+        next_slice = 0
+        for layer, layer_shapes in zip(layers, shapes):
+            if stack is not None:
+                caches = tuple(stack[next_slice + i] for i in range(len(layer_shapes)))
+                next_slice += len(layer_shapes)
+            else:
+                caches = tuple(torch.zeros(shape, dtype=dtype, device=device)
+                               for shape in layer_shapes)
             layer.bind_kv_cache(*caches)
             self.kv_caches.append(caches)
         total = sum(c.numel() * c.element_size() for caches in self.kv_caches for c in caches)

@@ -1,5 +1,8 @@
 """The `grpc` KV transfer backend: the prefill worker serves its pinned blocks over a gRPC
-stream (KVTransfer service); the decode worker pulls them into blocks it reserved."""
+stream (KVTransfer service); the decode worker pulls them into blocks it reserved.
+
+The same service carries the cuda-ipc backend's control calls (ExportKVCache, LeaseKV; see
+cuda_ipc.py): the data then moves GPU to GPU, the lease and release rules stay these."""
 from __future__ import annotations
 
 import time
@@ -20,10 +23,12 @@ logger = get_logger(__name__)
 class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
 
-    def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess) -> None:
+    def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess,
+                 exporter=None) -> None:
         self.engine = engine
         self.layout = layout
         self.blocks = blocks
+        self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
 
     async def PullKV(self, request, context):
         try:
@@ -44,6 +49,32 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         for layer, kv_index, offset, data in iter_payload_chunks(kv_caches, payload_block_ids):
             yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
                                             data=data)
+
+    async def ExportKVCache(self, request, context):
+        try:
+            self.layout.check_readable_by(layout_from_proto(request.expected_layout))
+        except KVLayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if self.exporter is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker does not offer cuda-ipc (--kv-transfer grpc, no "
+                                "CUDA device, or TP > 1)")
+        return self.exporter.export()
+
+    async def LeaseKV(self, request, context):
+        block_ids, lease_seconds = await self.engine.call(
+            lambda e: (_renew_and_get_blocks(e, request.handle_id), e.config.kv_lease_seconds))
+        if block_ids is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"KV handle {request.handle_id!r} is unknown or its lease "
+                                f"expired")
+        if not 0 <= request.start_block <= len(block_ids):
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"start_block={request.start_block} outside [0, "
+                                f"{len(block_ids)}]")
+        return worker_pb2.LeaseKVResponse(
+            block_ids=block_ids[request.start_block:],
+            lease_seconds=lease_seconds)
 
     async def ReleaseKV(self, request, context):
         found = await self.engine.call(lambda e: e.release(request.handle_id))

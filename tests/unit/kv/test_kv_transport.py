@@ -1,0 +1,108 @@
+"""--kv-transfer: flag validation, what a prefill worker offers, what a decode worker picks,
+the handle's fields, and the stacked cache view the cuda-ipc copy relies on (CPU only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.v1 import worker_pb2
+from tandem.workers.kv import transport
+from tandem.workers.kv.cuda_ipc import flat_caches, host_id, stacked_view
+from tandem.workers.kv.transport import (CUDA_IPC, GRPC, KVTransportUnavailable,
+                                         check_kv_transfer, choose_transport,
+                                         offered_transports)
+from tandem.workers.server import build_parser
+
+HOST = "h/boot"
+
+
+def test_flag_choices_and_default():
+    parser = build_parser()
+    base = ["--role", "decode", "--model", "m", "--port", "1"]
+    assert parser.parse_args(base).kv_transfer == "auto"
+    for mode in transport.KV_TRANSFER_MODES:
+        assert parser.parse_args([*base, "--kv-transfer", mode]).kv_transfer == mode
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--kv-transfer", "nccl"])
+
+
+@pytest.mark.parametrize("mode,device,tp,error", [
+    ("auto", "cpu", 1, None), ("auto", "cuda", 2, None), ("grpc", "cpu", 4, None),
+    ("cuda-ipc", "cuda", 1, None), ("cuda-ipc", "cpu", 1, "CUDA device"),
+    ("cuda-ipc", "cuda", 2, "tensor-parallel-size 1"), ("rdma", "cuda", 1, "not one of")])
+def test_check_kv_transfer(mode, device, tp, error):
+    if error is None:
+        check_kv_transfer(mode, device, tp)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_kv_transfer(mode, device, tp)
+
+
+def test_offered_transports():
+    assert offered_transports("auto", "cuda", 1) == [CUDA_IPC, GRPC]
+    assert offered_transports("cuda-ipc", "cuda", 1) == [CUDA_IPC, GRPC]
+    assert offered_transports("grpc", "cuda", 1) == [GRPC]
+    assert offered_transports("auto", "cpu", 1) == [GRPC]
+    assert offered_transports("auto", "cuda", 2) == [GRPC]
+
+
+def test_choose_transport_prefers_cuda_ipc_on_one_host():
+    both = [CUDA_IPC, GRPC]
+    assert choose_transport("auto", both, HOST, HOST, "cuda", 1)[0] == CUDA_IPC
+    assert choose_transport("cuda-ipc", both, HOST, HOST, "cuda", 1)[0] == CUDA_IPC
+    assert choose_transport("grpc", both, HOST, HOST, "cuda", 1) == (GRPC, "--kv-transfer grpc")
+
+
+@pytest.mark.parametrize("transports,source_host,device,tp,why", [
+    ([GRPC], HOST, "cuda", 1, "does not offer cuda-ipc"),
+    ([], HOST, "cuda", 1, "does not offer cuda-ipc"),  # an old handle: grpc only
+    ([CUDA_IPC, GRPC], "other/boot", "cuda", 1, "another host"),
+    ([CUDA_IPC, GRPC], "", "cuda", 1, "another host"),
+    ([CUDA_IPC, GRPC], HOST, "cpu", 1, "not one CUDA rank"),
+    ([CUDA_IPC, GRPC], HOST, "cuda", 2, "not one CUDA rank")])
+def test_choose_transport_falls_back_or_refuses(transports, source_host, device, tp, why):
+    backend, reason = choose_transport("auto", transports, source_host, HOST, device, tp)
+    assert backend == GRPC and why in reason
+    with pytest.raises(KVTransportUnavailable, match=why):
+        choose_transport("cuda-ipc", transports, source_host, HOST, device, tp)
+
+
+def test_no_common_backend_is_refused():
+    with pytest.raises(KVTransportUnavailable, match="no common"):
+        choose_transport("auto", [CUDA_IPC], "other/boot", HOST, "cuda", 1)
+
+
+def test_handle_carries_transports_and_endpoint():
+    endpoint = worker_pb2.CudaIpcEndpoint(host_id=host_id(), device_uuid="GPU-x",
+                                          export_id="e1")
+    handle = worker_pb2.KVHandle(handle_id="r", backend="grpc", transports=[CUDA_IPC, GRPC],
+                                 cuda_ipc=endpoint)
+    again = worker_pb2.KVHandle.FromString(handle.SerializeToString())
+    assert list(again.transports) == [CUDA_IPC, GRPC]
+    assert again.cuda_ipc.host_id == host_id() and again.cuda_ipc.export_id == "e1"
+    assert not worker_pb2.KVHandle(handle_id="old").HasField("cuda_ipc")
+
+
+def test_host_id_is_stable():
+    assert host_id() == host_id() and "/" in host_id()
+
+
+def test_stacked_view_of_runner_style_caches():
+    stack = torch.arange(4 * 3 * 2 * 5, dtype=torch.float32).reshape(4, 3, 2, 5)
+    caches = [(stack[0], stack[1]), (stack[2], stack[3])]
+    flat = flat_caches(caches)
+    view = stacked_view(flat)
+    assert view is not None and view.data_ptr() == stack.data_ptr()
+    assert torch.equal(view, stack)
+    ids_src, ids_dst = torch.tensor([2, 0]), torch.tensor([1, 2])
+    dst = torch.zeros_like(stack)
+    dst.index_copy_(1, ids_dst, view.index_select(1, ids_src))
+    for i, t in enumerate(flat):
+        assert torch.equal(dst[i][ids_dst], t[ids_src])
+
+
+def test_stacked_view_refuses_separate_tensors():
+    separate = [torch.zeros(3, 2), torch.zeros(3, 2)]
+    assert stacked_view(separate) is None
+    base = torch.zeros(4, 3, 2)
+    assert stacked_view([base[0], base[2], base[3]]) is None  # not equally spaced

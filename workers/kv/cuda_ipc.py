@@ -1,0 +1,181 @@
+"""The `cuda-ipc` KV transfer backend's GPU side: share a KV cache through CUDA IPC, map a
+peer's cache, and copy blocks GPU to GPU (never through host memory).
+
+    exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once
+    exporter.export()                                # -> ExportKVCacheResponse (cached)
+    peer = open_peer(response, local_device)         # decode worker, once per peer export_id
+    copy_blocks(peer.caches, local_caches, src_ids, dst_ids, stream)  # per handle
+
+Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
+
+* The prefill worker's engine writes a block only while that block is allocated to a request it
+  is computing. Blocks of a pinned handle are complete (the prefill step that pinned them read
+  its sampled token back to the host, which waited for every kernel before it) and nobody
+  writes them until ReleaseKV or the lease ends. So the decode worker reads only blocks that
+  LeaseKV returned, only while the lease it renewed lasts, and releases after its copy has
+  completed (copy_blocks returns after synchronizing its stream).
+* The decode worker writes only blocks it reserved and has not yet activated: the engine does
+  not touch them until activate_prefilled, which runs after copy_blocks returned.
+* Nobody writes a peer's mapped cache: the decode side only reads it (index_select).
+* A mapping lives as long as the peer's cache: the exporter's caches are allocated once per
+  process; a restarted peer has a new export_id, and a mapping whose export_id differs from the
+  handle's is reopened, never used.
+
+The peer's memory is opened on the decode worker's own device (CUDA maps it through peer
+access, NVLink on one host), so the gather kernel runs on the decode GPU and reads the peer's
+HBM directly; the decode process creates no context on the prefill GPU.
+"""
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.v1 import worker_pb2
+from tandem.workers.kv.block_payload import KVCaches
+from tandem.workers.kv.layout import KVLayout
+
+
+class CudaIpcUnavailable(RuntimeError):
+    """cuda-ipc cannot be used with this peer (different host, no peer access, IPC refused)."""
+
+
+def host_id() -> str:
+    """Same string in every process of one host (and one boot); different across hosts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def flat_caches(kv_caches: KVCaches) -> list[torch.Tensor]:
+    """Layer-major list of cache tensors: K0, V0, K1, V1, ... (MHA) or L0, L1, ... (MLA)."""
+    return [cache for caches in kv_caches for cache in caches]
+
+
+def stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [len(tensors), *shape] view of tensors that are equally spaced slices of one
+    storage (as ModelRunner allocates them), else None. Lets one gather kernel serve every
+    layer."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
+    spacing = tensors[1].storage_offset() - first.storage_offset()
+    if spacing < first.numel() or not first.is_contiguous():
+        return None
+    base = first.untyped_storage().data_ptr()
+    for i, t in enumerate(tensors):
+        if (t.untyped_storage().data_ptr() != base or t.shape != first.shape
+                or t.stride() != first.stride() or t.dtype != first.dtype
+                or t.storage_offset() != first.storage_offset() + i * spacing):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (spacing, *first.stride()),
+                            first.storage_offset())
+
+
+class CudaIpcExporter:
+    """Prefill side: the IPC handles of the whole cache, made once (sharing a storage again
+    would wrap its data pointer again) and served to every peer."""
+
+    def __init__(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        tensors = flat_caches(kv_caches)
+        if tensors[0].device.type != "cuda":
+            raise ValueError("cuda-ipc needs the KV cache on a CUDA device")
+        self._tensors = tensors
+        self.layout = layout
+        self.endpoint = worker_pb2.CudaIpcEndpoint(
+            host_id=host_id(), device_uuid=device_uuid(tensors[0].device),
+            export_id=uuid.uuid4().hex)
+        self._response: worker_pb2.ExportKVCacheResponse | None = None
+
+    def export(self) -> worker_pb2.ExportKVCacheResponse:
+        if self._response is None:
+            shared: dict[int, tuple] = {}  # storage data_ptr -> its _share_cuda_() fields
+            messages = []
+            for t in self._tensors:
+                storage = t.untyped_storage()
+                fields = shared.get(storage.data_ptr())
+                if fields is None:
+                    fields = shared[storage.data_ptr()] = storage._share_cuda_()
+                (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+                 event_sync) = fields
+                messages.append(worker_pb2.CudaIpcTensor(
+                    storage_handle=handle, storage_size_bytes=size_bytes,
+                    storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
+                    ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+                    event_sync_required=bool(event_sync), shape=list(t.shape),
+                    stride=list(t.stride()), storage_offset=t.storage_offset()))
+            self._response = worker_pb2.ExportKVCacheResponse(
+                endpoint=self.endpoint, layout=layout_to_proto(self.layout), tensors=messages)
+        return self._response
+
+
+@dataclass
+class MappedPeer:
+    """Decode side: a peer's cache tensors mapped into this process, on this device."""
+
+    export_id: str
+    caches: list[torch.Tensor]  # layer-major, as flat_caches
+    stacked: torch.Tensor | None  # stacked_view(caches)
+
+
+def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device) -> MappedPeer:
+    """Maps every exported tensor on `device`. Raises CudaIpcUnavailable when CUDA refuses
+    (another host's handle, no peer access between the GPUs, a separate IPC namespace)."""
+    dtype = getattr(torch, layout_from_proto(response.layout).dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+    caches = []
+    try:
+        for m in response.tensors:
+            key = (m.storage_handle, m.storage_offset_bytes)
+            storage = storages.get(key)
+            if storage is None:
+                storage = storages[key] = torch.UntypedStorage._new_shared_cuda(
+                    index, m.storage_handle, m.storage_size_bytes, m.storage_offset_bytes,
+                    m.ref_counter_handle, m.ref_counter_offset, m.event_handle or None,
+                    m.event_sync_required)
+            tensor = torch.empty(0, dtype=dtype, device=torch.device("cuda", index))
+            tensor.set_(storage, m.storage_offset, tuple(m.shape), tuple(m.stride))
+            caches.append(tensor)
+    except RuntimeError as exc:
+        raise CudaIpcUnavailable(f"CUDA IPC open failed on cuda:{index}: {exc}") from exc
+    return MappedPeer(response.endpoint.export_id, caches, stacked_view(caches))
+
+
+def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int],
+                dst_ids: list[int], stream: torch.cuda.Stream | None = None,
+                src_stacked: torch.Tensor | None = None,
+                dst_stacked: torch.Tensor | None = None) -> int:
+    """dst[i][dst_ids] = src[i][src_ids] for every cache tensor, on `stream` (default: the
+    current one), GPU to GPU; returns after the copy completed. Returns the bytes copied.
+    src and dst are layer-major lists on the same device (src may be a peer's mapping)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} "
+                         f"destination blocks")
+    if len(src) != len(dst):
+        raise ValueError(f"copy_blocks: {len(src)} source tensors, {len(dst)} destination")
+    if not src_ids:
+        return 0
+    device = dst[0].device
+    stream = stream or torch.cuda.current_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the reserved blocks' last writers
+    with torch.cuda.stream(stream):
+        src_index = torch.tensor(src_ids, dtype=torch.long).to(device, non_blocking=True)
+        dst_index = torch.tensor(dst_ids, dtype=torch.long).to(device, non_blocking=True)
+        if src_stacked is not None and dst_stacked is not None:
+            dst_stacked.index_copy_(1, dst_index, src_stacked.index_select(1, src_index))
+        else:
+            for s, d in zip(src, dst):
+                d.index_copy_(0, dst_index, s.index_select(0, src_index))
+    stream.synchronize()
+    return len(src_ids) * sum(t[0].numel() * t.element_size() for t in dst)

@@ -1,0 +1,133 @@
+"""Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
+
+    receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size)  # worker start-up
+    num_bytes, backend = await receiver.pull(channel, handle, block_ids, start_block, timeout)
+
+The caller has already checked the handle's layout (a mismatch is refused before any block is
+reserved) and releases the handle after pull returned. pull returns only after the blocks are
+written (cuda-ipc: its copy stream synchronized), so the caller may activate the request.
+
+cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer), reuse
+the mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
+again until its export_id changes (auto mode falls back to grpc for it, logged once).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import torch
+
+from tandem.common.convert import layout_to_proto
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.workers.kv import transport
+from tandem.workers.kv.block_access import KVBlockAccess
+from tandem.workers.kv.block_payload import KVCaches
+from tandem.workers.kv.grpc_backend import pull_kv
+from tandem.workers.kv.layout import KVLayout
+
+logger = get_logger(__name__)
+
+
+class KVReceiver:
+    def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
+                 device: torch.device, tp_size: int) -> None:
+        transport.check_kv_transfer(mode, device.type, tp_size)
+        self.mode = mode
+        self.layout = layout
+        self.blocks = blocks
+        self.device = device
+        self.tp_size = tp_size
+        self._local: list[torch.Tensor] | None = None
+        self._local_stacked = None
+        self._stream = None
+        self._peers: dict[str, object] = {}  # address -> MappedPeer
+        self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
+        self._logged: set[str] = set()  # peers whose grpc fallback was logged
+        self._host_id = ""
+        if transport.cuda_ipc_possible(mode, device.type, tp_size):
+            from tandem.workers.kv import cuda_ipc
+
+            self._host_id = cuda_ipc.host_id()
+            self._local = cuda_ipc.flat_caches(kv_caches)
+            self._local_stacked = cuda_ipc.stacked_view(self._local)
+            self._stream = torch.cuda.Stream(device)
+
+    async def pull(self, channel: grpc.aio.Channel, address: str,
+                   handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
+                   timeout: float | None) -> tuple[int, str]:
+        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError or
+        transport.KVTransportUnavailable; blocks may be half written then (abort the request)."""
+        endpoint = handle.cuda_ipc if handle.HasField("cuda_ipc") else None
+        backend, why = transport.choose_transport(
+            self.mode, list(handle.transports), endpoint.host_id if endpoint else "",
+            self._host_id, self.device.type, self.tp_size)
+        if backend == transport.CUDA_IPC:
+            if self._failed.get(address) == endpoint.export_id:
+                why = "mapping its cache failed before"
+            else:
+                peer = await self._peer(channel, address, endpoint.export_id, timeout)
+                if peer is not None:
+                    num_bytes = await self._pull_ipc(channel, peer, handle, block_ids,
+                                                     start_block, timeout)
+                    return num_bytes, transport.CUDA_IPC
+                why = "mapping its cache failed"
+            if self.mode == transport.CUDA_IPC:
+                raise transport.KVTransportUnavailable(
+                    f"--kv-transfer cuda-ipc: {why} (peer {address})")
+        if address not in self._logged:
+            logger.info("KV from %s over grpc: %s", address, why)
+            self._logged.add(address)
+        num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
+                                  start_block, timeout)
+        return num_bytes, transport.GRPC
+
+    async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
+        from tandem.workers.kv import cuda_ipc
+
+        peer = self._peers.get(address)
+        if peer is not None and peer.export_id == export_id:
+            return peer
+        self._peers.pop(address, None)  # stale: the source restarted; drop the old mapping
+        response = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
+            worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        try:
+            peer = await asyncio.to_thread(cuda_ipc.open_peer, response, self.device)
+        except cuda_ipc.CudaIpcUnavailable as exc:
+            self._failed[address] = export_id
+            log = logger.error if self.mode == transport.CUDA_IPC else logger.warning
+            log("KV from %s: cuda-ipc unavailable (%s)%s", address, exc,
+                "" if self.mode == transport.CUDA_IPC else "; falling back to grpc")
+            return None
+        if peer.export_id != export_id:
+            raise ValueError(f"peer {address} exported cache {peer.export_id}, the handle "
+                             f"names {export_id}: it restarted in between")
+        logger.info("KV from %s over cuda-ipc: mapped %d cache tensors on %s (%s)", address,
+                    len(peer.caches), self.device,
+                    "one gather" if peer.stacked is not None else "per tensor")
+        self._peers[address] = peer
+        return peer
+
+    async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:
+        from tandem.workers.kv import cuda_ipc
+
+        started = time.monotonic()
+        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
+            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
+            timeout=timeout)
+        src_ids = list(lease.block_ids)
+        if len(src_ids) != len(block_ids):
+            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
+                             f"blocks from block {start_block}, receiver expected "
+                             f"{len(block_ids)}")
+        num_bytes = await asyncio.to_thread(
+            cuda_ipc.copy_blocks, peer.caches, self._local, src_ids, list(block_ids),
+            self._stream, peer.stacked, self._local_stacked)
+        if time.monotonic() - started >= lease.lease_seconds:
+            raise ValueError(f"KV handle {handle.handle_id}: the copy outlasted the "
+                             f"{lease.lease_seconds:.0f} s lease; the blocks may have been "
+                             f"reused")
+        return num_bytes
