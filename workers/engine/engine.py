@@ -71,6 +71,8 @@ class LLMEngine:
     def _set_up(self, loaded: LoadedModel) -> None:
         config, hf_config, dtype, device = self.config, loaded.hf_config, loaded.dtype, \
             loaded.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # graph capture and Triton launches below use it
         max_model_len = loaded.max_model_len
         self.model = loaded.model
         num_kv_blocks = _resolve_num_kv_blocks(config, max_model_len,
@@ -224,6 +226,10 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one model step; returns the sequences that got a token (finished ones included)."""
         started = time.monotonic()
+        if self.resolved.device.type == "cuda":
+            # Triton launches on the thread's current device, which is per thread and may be
+            # another GPU (a worker's engine thread starts on cuda:0; a test may have moved it).
+            torch.cuda.set_device(self.resolved.device)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
