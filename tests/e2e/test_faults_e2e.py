@@ -72,6 +72,39 @@ def test_unpulled_kv_is_freed_when_the_lease_expires(pd_stack):
     assert worker_load(prefill).kv_usage == 0
 
 
+def test_kv_transfer_rpcs_name_their_errors(pd_stack):
+    """LeaseKV (how a cuda-ipc receiver learns a handle's blocks) renews and lists a pinned
+    handle's blocks and names unknown handles and bad offsets; a CPU worker refuses
+    ExportKVCache saying why; ReleaseKV frees the handle."""
+    prefill = pd_stack.workers["prefill-0"].address
+    params = engine_params_to_proto(SamplingParams(temperature=0, max_tokens=8))
+    with grpc.insecure_channel(prefill) as channel:
+        kv = worker_pb2_grpc.KVTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            kv.LeaseKV(worker_pb2.LeaseKVRequest(handle_id="no-such-handle"), timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "'no-such-handle'" in info.value.details()
+        reply = worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
+            request_id="lease-me", prompt_token_ids=list(range(1, 60)), params=params,
+            keep_kv=True), timeout=10)
+        lease = kv.LeaseKV(worker_pb2.LeaseKVRequest(handle_id="lease-me", start_block=1),
+                           timeout=5)
+        assert len(lease.block_ids) == reply.kv_handle.num_blocks - 1 == 3
+        assert lease.lease_seconds == 2.0  # the stack's --kv-lease-seconds
+        with pytest.raises(grpc.RpcError) as info:
+            kv.LeaseKV(worker_pb2.LeaseKVRequest(handle_id="lease-me", start_block=9),
+                       timeout=5)
+        assert info.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "start_block=9" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            kv.ExportKVCache(worker_pb2.ExportKVCacheRequest(
+                expected_layout=reply.kv_handle.layout), timeout=5)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "does not offer cuda-ipc" in info.value.details()
+        assert kv.ReleaseKV(worker_pb2.ReleaseKVRequest(handle_id="lease-me"), timeout=5).found
+    assert worker_load(prefill).num_pinned == 0
+
+
 @pytest.fixture(scope="module")
 def two_decoders(checkpoint, tmp_path_factory):
     stack = start_stack(checkpoint("llama").path, tmp_path_factory.mktemp("kill_logs"),
