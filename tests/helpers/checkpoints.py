@@ -146,6 +146,18 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+def assert_logits_parity(ckpt: TinyCheckpoint, prompt_len: int = 300,
+                         num_new_tokens: int = 32) -> None:
+    """One paged prefill over a prompt + transformers' greedy completion: Tandem's logits at
+    every position within 1e-4 (relative to the largest) of transformers' (fp32)."""
+    from tandem import LLM
+
+    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
+    [prompt] = random_prompts([prompt_len], seed=2)
+    tokens = prompt + ckpt.greedy(prompt, num_new_tokens)
+    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
+
+
 def assert_greedy_parity(llm, ckpt: TinyCheckpoint, prompts: list[list[int]],
                          num_new_tokens: int = 32) -> None:
     """Tandem's greedy continuation of every prompt equals transformers' (EOS held off)."""

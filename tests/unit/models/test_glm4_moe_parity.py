@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
-                                 random_prompts, relative_error, rewrite_weights)
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, assert_logits_parity,
+                                 random_prompts, rewrite_weights)
 from helpers.moe_checkpoints import GLM_VARIANTS as VARIANTS
 from safetensors.torch import load_file
 
@@ -25,11 +25,7 @@ def test_greedy_tokens_match_transformers(moe_checkpoint, variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
-    ckpt = moe_checkpoint(variant)
-    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
-    [prompt] = random_prompts([300], seed=2)
-    tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
-    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
+    assert_logits_parity(moe_checkpoint(variant), num_new_tokens=NUM_NEW_TOKENS)
 
 
 def test_layers_follow_first_k_dense_replace_and_load_the_bias(moe_checkpoint):

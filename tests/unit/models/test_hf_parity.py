@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, assert_logits_parity,
                                  random_prompts, relative_error)
 
 from tandem import LLM, SamplingParams
@@ -25,11 +25,7 @@ def test_greedy_tokens_match_transformers(checkpoint, variant):
 @pytest.mark.parametrize("variant", ["llama", "llama_rope3", "qwen3"])
 def test_logits_at_every_position_match_transformers(checkpoint, variant):
     """One paged prefill over prompt + completion; every position's logits vs transformers."""
-    ckpt = checkpoint(variant)
-    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
-    [prompt] = random_prompts([300], seed=2)
-    tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
-    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
+    assert_logits_parity(checkpoint(variant), num_new_tokens=NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, paged_prefill_logits,
-                                 random_prompts, relative_error, rewrite_weights)
+from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, assert_logits_parity,
+                                 random_prompts, rewrite_weights)
 from safetensors.torch import load_file
 
 from tandem import LLM
@@ -32,11 +32,7 @@ def test_qwen3_moe_layers_follow_mlp_only_layers(moe_checkpoint):
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
 def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
-    ckpt = moe_checkpoint(variant)
-    engine = LLM(ckpt.path, dtype="float32", block_size=16).engine
-    [prompt] = random_prompts([300], seed=2)
-    tokens = prompt + ckpt.greedy(prompt, NUM_NEW_TOKENS)
-    assert relative_error(paged_prefill_logits(engine, tokens), ckpt.logits(tokens)) < 1e-4
+    assert_logits_parity(moe_checkpoint(variant), num_new_tokens=NUM_NEW_TOKENS)
 
 
 def test_qwen3_moe_parity_with_prefix_caching(moe_checkpoint):
