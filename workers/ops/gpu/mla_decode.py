@@ -18,9 +18,9 @@ Register use is bounded by the head block, not by H: q [BLOCK_H, R + P] and the 
 [BLOCK_H, R] fp32 (16 x 512: 32 KiB per program); H = 128 is 8 head blocks that read the same
 tiles (from L2 after the first). Writes, per head, o_s [R] fp32 and lse_s (-inf, o_s = 0 for an
 empty range).
-Pass 2 (`_mla_combine_kernel`), one program per (seq, head, chunk of COMBINE_D columns):
-out = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m), the exact softmax over all keys; the
-column chunks keep a [splits, COMBINE_D] tile in registers whatever R is.
+Pass 2: paged_decode.combine_splits (the same combine as dense decode), one program per (seq,
+head, chunk of 128 columns): out = sum_s exp(lse_s - m) o_s / sum_s exp(lse_s - m), the exact
+softmax over all keys; the chunks keep a [splits, 128] tile in registers whatever R is.
 
 Graph-safe, as paged_decode.py: seq_lens and block tables are read on the device only, the
 grid depends only on the batch size (and the split count, chosen from max_seq_len, which a
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.gpu.paged_decode import num_splits_for
+from tandem.workers.ops.gpu.paged_decode import combine_splits, num_splits_for
 
 __all__ = ["mla_decode_attention", "mla_num_splits", "write_latent_cache"]
 
@@ -110,30 +110,6 @@ def _mla_split_kernel(
     tl.store(part_lse_ptr + part_row, lse, mask=mask_h)
 
 
-@triton.jit
-def _mla_combine_kernel(
-        part_out_ptr, part_lse_ptr, out_ptr, stride_out_tok, stride_out_head,
-        LORA_RANK: tl.constexpr, LORA_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        COMBINE_D: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    chunk = tl.program_id(2)
-    num_heads = tl.num_programs(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = chunk * COMBINE_D + tl.arange(0, COMBINE_D)
-    part_row = (seq * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + part_row + offs_s)  # [S]
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: every weight is 0
-    weights = tl.exp(lse - m)  # empty splits: exp(-inf) = 0
-    denom = tl.sum(weights, 0)
-    denom = tl.where(denom > 0, denom, 1.0)
-    parts = tl.load(part_out_ptr + (part_row + offs_s)[:, None] * LORA_PAD + offs_d[None, :])
-    out = tl.sum(parts * weights[:, None], 0) / denom
-    tl.store(out_ptr + seq * stride_out_tok + head * stride_out_head + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < LORA_RANK)
-
-
 def _pad(n: int) -> int:
     """tl.dot needs every dimension >= 16; arange needs powers of two."""
     return max(16, triton.next_power_of_2(n))
@@ -192,10 +168,7 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
         BLOCK_SIZE=block_size, LORA_RANK=lora_rank, LORA_PAD=lora_pad, ROPE_DIM=rope_dim,
         ROPE_PAD=_pad(rope_dim), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=ieee,
         num_warps=num_warps, num_stages=num_stages)
-    combine_d = min(lora_pad, 128)
-    _mla_combine_kernel[(num_seqs, num_heads, lora_pad // combine_d)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), LORA_RANK=lora_rank,
-        LORA_PAD=lora_pad, NUM_SPLITS=num_splits, COMBINE_D=combine_d, num_warps=4)
+    combine_splits(part_out, part_lse, out)
     return out
 
 

@@ -103,26 +103,45 @@ def _decode_split_kernel(
 def _combine_splits_kernel(
         part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        HAS_SINKS: tl.constexpr):
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
     row = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row + offs_s)  # [S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32)
         m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all (a 0-length row): weights 0
     weights = tl.exp(lse - m)  # empty splits: exp(-inf) = 0
     denom = tl.sum(weights, 0)
     if HAS_SINKS:
         denom += tl.exp(sink - m)
+    denom = tl.where(denom > 0, denom, 1.0)
     parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
     out = tl.sum(parts * weights[:, None], 0) / denom
     tl.store(out_ptr + seq * stride_out_tok + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> None:
+    """out[b, h] = the softmax-weighted sum of the splits' partial outputs (module docstring).
+
+    part_out [B, H, S, D_pad] fp32, part_lse [B, H, S] fp32 (contiguous), out [B, H, D] with a
+    contiguous last dim; sinks [H] or None. Columns are combined in chunks of at most 128 (one
+    chunk for a 128-wide head; MLA's 512-wide latent takes four programs per head).
+    """
+    num_seqs, num_heads, num_splits, width_pad = part_out.shape
+    chunk = min(width_pad, 128)
+    _combine_splits_kernel[(num_seqs, num_heads, width_pad // chunk)](
+        part_out, part_lse, sinks if sinks is not None else part_lse, out,
+        out.stride(0), out.stride(1), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=width_pad,
+        NUM_SPLITS=num_splits, CHUNK_D=chunk, HAS_SINKS=sinks is not None,
+        num_warps=4 if chunk >= 128 else 1)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -183,9 +202,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
-    _combine_splits_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, sinks if sinks is not None else part_lse, out,
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-        HAS_SINKS=sinks is not None, num_warps=4 if head_dim_pad >= 128 else 1)
+    combine_splits(part_out, part_lse, out, sinks)
     return out
