@@ -15,6 +15,7 @@ from tandem.bench.engine_limits import DeviceLimits, copies_to_defeat_l2, time_g
 from tandem.workers.ops.activation import SiluAndMul
 from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.gpu.decode_gemv import fused_gemv
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.norm import RMSNorm
 from tandem.workers.ops.rotary import RotaryEmbedding
@@ -90,10 +91,14 @@ def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
     name = f"decode attention {batch}x{context}"
     what = f"{heads}q/{kv_heads}kv h{head_dim} blk{block_size}"
     rows = []
-    ours = time_graphed(lambda i: paged_decode_attention(
-        q, *caches[i % len(caches)], tables, seq_lens, head_dim ** -0.5, num_splits=splits))
-    rows.append(_row(name, what, f"ours (split-KV, {splits} splits)", ours, True,
-                     copy_fraction=kv_bytes / ours / limits.copy_bytes_per_s))
+    for fused in (True, False):
+        ours = time_graphed(lambda i: paged_decode_attention(
+            q, *caches[i % len(caches)], tables, seq_lens, head_dim ** -0.5, num_splits=splits,
+            fused_combine=fused))
+        how = "combine in the same launch" if fused else "separate combine kernel"
+        rows.append(_row(name, what, f"ours (split-KV, {splits} splits, {how})", ours,
+                         fused or splits == 1,
+                         copy_fraction=kv_bytes / ours / limits.copy_bytes_per_s))
     unified = load_aiter_triton().unified_attention
     out = torch.empty_like(q)
     one = torch.ones(1, device="cuda")
@@ -108,8 +113,45 @@ def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
     return rows
 
 
+# Llama-8B's projections: name -> (N, K, fused add+norm before it, SiLU*mul after it)
+PROJECTIONS = {"qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False),
+               "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
+
+
+def gemv_rows(rows: int, limits: DeviceLimits) -> list[dict]:
+    """Each projection with the ops the small-batch path fuses into it, cold weights:
+    cuBLAS (F.linear) plus the separate norm / SiLU kernels, against fused_gemv."""
+    out = []
+    for name, (n, k, norm, silu) in PROJECTIONS.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=BF16) / k ** 0.5
+                   for _ in range(copies_to_defeat_l2(n * k * 2))]
+        x = torch.randn(rows, k, device="cuda", dtype=BF16)
+        res = torch.randn_like(x)
+        norm_op = RMSNorm(k, 1e-5, AITER).cuda().to(BF16)
+        act = SiluAndMul(AITER)
+
+        def unfused(i):
+            h = norm_op(x, res)[0] if norm else x  # (writes res in place: timing only)
+            y = F.linear(h, weights[i % len(weights)])
+            return act(y) if silu else y
+
+        def fused(i):
+            return fused_gemv(x, weights[i % len(weights)], residual=res if norm else None,
+                              norm_weight=norm_op.weight if norm else None, silu_mul=silu)
+        what = f"{rows}x{k}x{n}" + (" +add+norm" if norm else "") + (" +silu" if silu else "")
+        for impl, fn, chosen in (("cuBLAS + separate kernels", unfused, rows > 8),
+                                 ("ours (fused GEMV)", fused, rows <= 8)):
+            seconds = time_graphed(fn)
+            out.append(_row(f"projection {name}", what, impl, seconds, chosen,
+                            copy_fraction=n * k * 2 / seconds / limits.copy_bytes_per_s))
+        del weights
+    return out
+
+
 def op_rows(limits: DeviceLimits) -> list[dict]:
     rows: list[dict] = []
+    for batch in (1, 8):
+        rows += gemv_rows(batch, limits)
     for batch in (1, 64):
         rows += norm_rows(batch)
         rows += activation_rope_rows(batch)

@@ -7,9 +7,12 @@ head 128, block 16), KV rotated through copies so it is read from HBM, not L2. T
 CUDA-graph replays (bench/engine_limits.time_graphed). The defaults in
 workers/ops/gpu/paged_decode.py come from this table; rerun it on a new GPU.
 
-(A split-K Triton GEMM for 1-16 rows was tried against cuBLAS at Llama-8B's projections, cold
-weights, H100: it won only on o_proj, 15.3 vs 16.5 us, and lost or tied elsewhere, so it was
-not kept.)
+    python -m tandem.bench.tune_kernels --gemv     # only the fused GEMV sweep
+
+The fused small-batch GEMV (workers/ops/gpu/decode_gemv.py): block_n x block_k x warps x
+stages at Llama-8B's four projections for 1 and 8 rows; default_config there comes from it.
+(A split-K Triton GEMM for 1-16 rows was tried before it, without fusion: it won only on
+o_proj, 15.3 vs 16.5 us on an H100, and was not kept.)
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import sys
 import torch
 
 from tandem.bench.engine_limits import copies_to_defeat_l2, measure_limits, time_graphed
+from tandem.workers.ops.gpu.decode_gemv import default_config, fused_gemv
 from tandem.workers.ops.gpu.paged_decode import paged_decode_attention
 
 BF16 = torch.bfloat16
@@ -71,11 +75,51 @@ def compare_matmul_forms(copy_bps: float) -> list[str]:
     return lines
 
 
+def tune_gemv(copy_bps: float) -> list[str]:
+    lines = []
+    shapes = {"qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False),
+              "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
+    for name, (n, k, norm, silu) in shapes.items():
+        weights = [torch.randn(n, k, device="cuda", dtype=BF16)
+                   for _ in range(copies_to_defeat_l2(n * k * 2))]
+        norm_weight = torch.ones(k, device="cuda", dtype=BF16) if norm else None
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device="cuda", dtype=BF16)
+            res = torch.randn_like(x) if norm else None
+            results = []
+            default = default_config(rows, n // 2 if silu else n, k, silu)
+            for block_n, block_k, warps, stages in itertools.product(
+                    (8, 16, 32) if rows == 1 else (16, 32),  # the tensor-core dot needs 16
+                    (256, 512) if rows == 1 else (128, 256), (4, 8), (3, 4)):
+                cfg = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
+                       "num_stages": stages}
+                try:
+                    seconds = time_graphed(lambda i: fused_gemv(
+                        x, weights[i % len(weights)], residual=res, norm_weight=norm_weight,
+                        silu_mul=silu, config=cfg), reps=5)
+                except Exception as exc:  # e.g. out of shared memory: skip the config
+                    lines.append(f"gemv {name} {rows} rows {cfg}: {type(exc).__name__}")
+                    continue
+                results.append((seconds, cfg == default, cfg))
+            results.sort(key=lambda r: r[0])
+            floor = n * k * 2 / copy_bps
+            default_row = [r for r in results if r[1]]
+            for seconds, is_default, cfg in results[:3] + default_row:
+                lines.append(f"gemv {name} {rows}x{k}x{n}: {cfg}{' (default)' if is_default else ''}"
+                             f": {seconds * 1e6:.1f} us ({floor / seconds:.0%} of copy BW)")
+        del weights
+    return lines
+
+
 def main() -> int:
     limits = measure_limits()
     lines = [f"{limits.name}: copy {limits.copy_bytes_per_s / 1e12:.2f} TB/s"]
+    if "--gemv" in sys.argv[1:]:
+        print("\n".join(lines + tune_gemv(limits.copy_bytes_per_s)))
+        return 0
     lines += tune_attention(limits.copy_bytes_per_s)
     lines += compare_matmul_forms(limits.copy_bytes_per_s)
+    lines += tune_gemv(limits.copy_bytes_per_s)
     print("\n".join(lines))
     return 0
 

@@ -6,11 +6,13 @@ Inputs are explicit: flat token ids [T], their positions [T] and the attention m
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from tandem.workers.ops import small_batch
 from tandem.workers.ops.activation import SiluAndMul
 from tandem.workers.ops.attention import Attention, AttentionMetadata
 from tandem.workers.ops.backend import KernelBackend
@@ -49,17 +51,21 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) D] -> attention output [T, H D], before o_proj."""
+        num_tokens = qkv.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        out = self.attn(q, k, v, meta, rope=(self.rotary_emb, positions))  # [T, H, D]
+        return out.reshape(num_tokens, q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -87,9 +93,20 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
+    @functools.cached_property
+    def _fusable(self) -> bool:
+        """Whether small batches can run as fused GEMVs (workers/ops/small_batch.py)."""
+        attn, mlp = self.self_attn, self.mlp
+        return (type(mlp) is LlamaMLP and isinstance(attn, LlamaAttention)
+                and small_batch.fusable((self.input_layernorm, self.post_attention_layernorm),
+                                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)))
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden.shape[0] <= small_batch.MAX_ROWS and self._fusable:
+            return self._forward_small_batch(positions, hidden, residual, meta)
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
@@ -98,6 +115,18 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_small_batch(self, positions: torch.Tensor, hidden: torch.Tensor,
+                             residual: torch.Tensor | None, meta: AttentionMetadata
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same function as forward, in five launches plus attention's (small_batch)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = small_batch.norm_linear(hidden, residual, self.input_layernorm,
+                                                attn.qkv_proj)
+        hidden = small_batch.linear(attn.attend(positions, qkv, meta), attn.o_proj)
+        act, residual = small_batch.norm_linear(hidden, residual, self.post_attention_layernorm,
+                                                mlp.gate_up_proj, silu_mul=True)
+        return small_batch.linear(act, mlp.down_proj), residual
 
 
 class LlamaModel(nn.Module):

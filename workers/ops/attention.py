@@ -130,13 +130,21 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+                meta: AttentionMetadata, rope: tuple[nn.Module, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D].
+
+        rope = (rotary embedding, positions [T]): q and k are rotated first (on aiter-triton in
+        the same launch as the KV write); without it q and k arrive rotated.
+        """
         if self.k_cache is None:
             raise RuntimeError("Attention.forward before bind_kv_cache")
         if self.backend is KernelBackend.AITER_TRITON:
             from tandem.workers.ops.attention_gpu import attention_forward_gpu
-            return attention_forward_gpu(self, q, k, v, meta)
+            return attention_forward_gpu(self, q, k, v, meta, rope)
+        if rope is not None:
+            rotary, positions = rope
+            q, k = rotary(positions, q, k)
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return paged_attention_torch(q, self.k_cache, self.v_cache, meta, self.scale,
                                      sliding_window=self.sliding_window, sinks=self.sinks)

@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.workers.ops.aiter_compat import load_aiter_triton
+from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
+from tandem.workers.ops.gpu.rope import rope_and_write_kv
 
 if TYPE_CHECKING:
     from tandem.workers.ops.attention import Attention, AttentionMetadata
@@ -43,9 +45,18 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> [T, H, D]; writes k/v to the cache."""
-    write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
+                          meta: AttentionMetadata, rope: tuple | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> [T, H, D]; writes k/v to the cache.
+    rope (Attention.forward): rotated in place by the launch that writes the cache."""
+    rotary = rope[0] if rope is not None else None
+    if rotary is not None and rotary.backend is KernelBackend.AITER_TRITON \
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        rope_and_write_kv(rope[1], q, k, v, rotary.cos, rotary.sin, rotary.is_neox_style,
+                          layer.k_cache, layer.v_cache, meta.slot_mapping)
+    else:
+        if rotary is not None:
+            q, k = rotary(rope[1], q, k)
+        write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     if meta.max_query_len == 1:
         splits = num_splits_for(q.shape[0], layer.num_kv_heads, meta.max_seq_len,
                                 _num_sms(q.device.index or 0))

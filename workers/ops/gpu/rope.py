@@ -4,6 +4,11 @@ Same function as rotary.RotaryEmbedding (cos/sin tables [max_position, rotary_di
 already multiplied by the attention factor; the first rotary_dim dims of each head rotate, the
 rest pass through untouched), computed in fp32 and rounded once to the activation dtype.
 Pairs: neox style (x[i], x[i + R/2]); GPT-J style (x[2i], x[2i + 1]).
+
+With a KV cache (rope_and_write_kv) the same launch also writes the rotated K and V rows into
+the paged cache at slot_mapping[t] (skipped for padding slots < 0, as kv_cache.write_kv_cache):
+one kernel instead of two per layer. The rotated K values are stored from registers to both
+k (in place) and the cache, so no thread reads back another thread's store.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import triton.language as tl
 @triton.jit
 def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  NEOX: tl.constexpr):
+                  NEOX: tl.constexpr, cache_ptr, stride_cache_head, TO_CACHE: tl.constexpr):
     offs_h = tl.arange(0, HEADS_PAD)
     offs_i = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_i[None, :] < HALF)
@@ -29,8 +34,14 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
     p2 = x_ptr + offs_h[:, None] * stride_head + second[None, :]
     x1 = tl.load(p1, mask=mask).to(tl.float32)
     x2 = tl.load(p2, mask=mask).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(p2, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p2, y2, mask=mask)
+    if TO_CACHE:
+        c = cache_ptr + offs_h[:, None] * stride_cache_head
+        tl.store(c + first[None, :], y1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(c + second[None, :], y2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -45,9 +56,9 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     cos = tl.load(cos_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     sin = tl.load(sin_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, cos, sin,
-                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX)
+                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False)
     _rotate_heads(k_ptr + tok * stride_k_tok, stride_k_head, NUM_K_HEADS, cos, sin,
-                  K_HEADS_PAD, HALF, HALF_PAD, NEOX)
+                  K_HEADS_PAD, HALF, HALF_PAD, NEOX, k_ptr, 0, False)
 
 
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -65,3 +76,68 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style, num_warps=4)
+
+
+@triton.jit
+def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                          k_cache_ptr, v_cache_ptr,
+                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                          stride_v_tok, stride_v_head, stride_table,
+                          stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                          Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    tok = tl.program_id(0)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    offs_i = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
+    _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, cos, sin,
+                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False)
+    k_row = k_ptr + tok * stride_k_tok
+    if slot >= 0:
+        _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
+                      HALF_PAD, NEOX, k_cache_ptr + slot * stride_kc_slot, stride_kc_head,
+                      True)
+        offs_h = tl.arange(0, K_HEADS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        mask_h = offs_h[:, None] < NUM_K_HEADS
+        if 2 * HALF < HEAD_DIM:  # partial rotary: the untouched dims go to the cache as-is
+            mask_p = mask_h & (offs_d[None, :] >= 2 * HALF) & (offs_d[None, :] < HEAD_DIM)
+            kp = tl.load(k_row + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask_p)
+            tl.store(k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_head
+                     + offs_d[None, :], kp.to(k_cache_ptr.dtype.element_ty), mask=mask_p)
+        mask_v = mask_h & (offs_d[None, :] < HEAD_DIM)
+        v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head
+                    + offs_d[None, :], mask=mask_v)
+        tl.store(v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_head
+                 + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
+    else:  # a padding row: rotate k in place only
+        _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
+                      HALF_PAD, NEOX, k_ptr, 0, False)
+
+
+def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      is_neox_style: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """rotary_embedding_ on q and k, then k and v into caches [blocks, block_size, KVH, D]."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("rope_and_write_kv needs a contiguous head_dim")
+    kc = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
+    vc = v_cache.view(-1, num_kv_heads, head_dim)
+    half = cos.shape[1]
+    _rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, positions, cos, sin, slot_mapping, kc, vc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=num_kv_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
+        K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4)

@@ -1,0 +1,44 @@
+"""Small decode batches on aiter-triton: the projections as fused GEMV kernels.
+
+A dense decoder layer at <= MAX_ROWS tokens runs as five launches instead of about thirteen
+(workers/ops/gpu/decode_gemv.py says what is fused and why):
+
+    [add + rms_norm + qkv] [rope + KV write] [attention] [o_proj] [add + rms_norm + gate_up +
+    silu*mul] [down]
+
+This module holds only the decision and the calls; it imports no Triton until a kernel runs, so
+CPU installs (no triton) can import the models.
+"""
+from __future__ import annotations
+
+import torch
+
+from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.linear import LinearBase
+from tandem.workers.ops.norm import RMSNorm
+
+MAX_ROWS = 8  # = decode_gemv.MAX_ROWS; above it cuBLAS reads the weights as fast
+
+
+def fusable(norms: tuple[RMSNorm, ...], linears: tuple[LinearBase, ...]) -> bool:
+    """The fused path computes exactly these layers' functions: aiter-triton norms, linears
+    without bias, and no tensor parallelism (a row-parallel linear would need its all-reduce)."""
+    return (all(norm.backend is KernelBackend.AITER_TRITON for norm in norms)
+            and all(lin.bias is None and lin.tp_size == 1 for lin in linears))
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                linear: LinearBase, *, silu_mul: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual) as RMSNorm + linear would give them; with
+    silu_mul the linear is [gate | up] and the first result is silu(gate) * up. residual None
+    (the first layer): norm(x), and x is the residual stream."""
+    from tandem.workers.ops.gpu.decode_gemv import fused_gemv
+    y, new_residual = fused_gemv(x, linear.weight, residual=residual, norm_weight=norm.weight,
+                                 eps=norm.eps, silu_mul=silu_mul)
+    return y, (x if residual is None else new_residual)
+
+
+def linear(x: torch.Tensor, layer: LinearBase) -> torch.Tensor:
+    from tandem.workers.ops.gpu.decode_gemv import fused_gemv
+    return fused_gemv(x, layer.weight)[0]
