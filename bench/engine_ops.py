@@ -91,14 +91,10 @@ def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
     name = f"decode attention {batch}x{context}"
     what = f"{heads}q/{kv_heads}kv h{head_dim} blk{block_size}"
     rows = []
-    for fused in (True, False):
-        ours = time_graphed(lambda i: paged_decode_attention(
-            q, *caches[i % len(caches)], tables, seq_lens, head_dim ** -0.5, num_splits=splits,
-            fused_combine=fused))
-        how = "combine in the same launch" if fused else "separate combine kernel"
-        rows.append(_row(name, what, f"ours (split-KV, {splits} splits, {how})", ours,
-                         fused or splits == 1,
-                         copy_fraction=kv_bytes / ours / limits.copy_bytes_per_s))
+    ours = time_graphed(lambda i: paged_decode_attention(
+        q, *caches[i % len(caches)], tables, seq_lens, head_dim ** -0.5, num_splits=splits))
+    rows.append(_row(name, what, f"ours (split-KV, {splits} splits)", ours, True,
+                     copy_fraction=kv_bytes / ours / limits.copy_bytes_per_s))
     unified = load_aiter_triton().unified_attention
     out = torch.empty_like(q)
     one = torch.ones(1, device="cuda")
@@ -119,7 +115,7 @@ PROJECTIONS = {"qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False)
 
 
 def gemv_rows(rows: int, limits: DeviceLimits) -> list[dict]:
-    """Each projection with the ops the small-batch path fuses into it, cold weights:
+    """Each projection with the ops the batch-1 path fuses into it, cold weights:
     cuBLAS (F.linear) plus the separate norm / SiLU kernels, against fused_gemv."""
     out = []
     for name, (n, k, norm, silu) in PROJECTIONS.items():
@@ -139,8 +135,8 @@ def gemv_rows(rows: int, limits: DeviceLimits) -> list[dict]:
             return fused_gemv(x, weights[i % len(weights)], residual=res if norm else None,
                               norm_weight=norm_op.weight if norm else None, silu_mul=silu)
         what = f"{rows}x{k}x{n}" + (" +add+norm" if norm else "") + (" +silu" if silu else "")
-        for impl, fn, chosen in (("cuBLAS + separate kernels", unfused, rows > 8),
-                                 ("ours (fused GEMV)", fused, rows <= 8)):
+        for impl, fn, chosen in (("cuBLAS + separate kernels", unfused, False),
+                                 ("ours (fused GEMV)", fused, True)):
             seconds = time_graphed(fn)
             out.append(_row(f"projection {name}", what, impl, seconds, chosen,
                             copy_fraction=n * k * 2 / seconds / limits.copy_bytes_per_s))
@@ -150,8 +146,7 @@ def gemv_rows(rows: int, limits: DeviceLimits) -> list[dict]:
 
 def op_rows(limits: DeviceLimits) -> list[dict]:
     rows: list[dict] = []
-    for batch in (1, 8):
-        rows += gemv_rows(batch, limits)
+    rows += gemv_rows(1, limits)
     for batch in (1, 64):
         rows += norm_rows(batch)
         rows += activation_rope_rows(batch)

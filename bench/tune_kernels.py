@@ -10,7 +10,7 @@ workers/ops/gpu/paged_decode.py come from this table; rerun it on a new GPU.
     python -m tandem.bench.tune_kernels --gemv     # only the fused GEMV sweep
 
 The fused small-batch GEMV (workers/ops/gpu/decode_gemv.py): block_n x block_k x warps x
-stages at Llama-8B's four projections for 1 and 8 rows; default_config there comes from it.
+stages at Llama-8B's four projections for one row; default_config there comes from it.
 (A split-K Triton GEMM for 1-16 rows was tried before it, without fusion: it won only on
 o_proj, 15.3 vs 16.5 us on an H100, and was not kept.)
 """
@@ -83,14 +83,13 @@ def tune_gemv(copy_bps: float) -> list[str]:
         weights = [torch.randn(n, k, device="cuda", dtype=BF16)
                    for _ in range(copies_to_defeat_l2(n * k * 2))]
         norm_weight = torch.ones(k, device="cuda", dtype=BF16) if norm else None
-        for rows in (1, 8):
+        for rows in (1,):
             x = torch.randn(rows, k, device="cuda", dtype=BF16)
             res = torch.randn_like(x) if norm else None
             results = []
-            default = default_config(rows, n // 2 if silu else n, k, silu)
+            default = default_config(n // 2 if silu else n, k, silu)
             for block_n, block_k, warps, stages in itertools.product(
-                    (8, 16, 32) if rows == 1 else (16, 32),  # the tensor-core dot needs 16
-                    (256, 512) if rows == 1 else (128, 256), (4, 8), (3, 4)):
+                    (4, 8, 16), (256, 512, 1024), (4, 8), (3,)):
                 cfg = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
                        "num_stages": stages}
                 try:

@@ -1,6 +1,6 @@
 """The small-batch fused kernels against the unfused torch ops they replace.
 
-fused_gemv (add + RMSNorm + projection, SiLU*mul for gate_up) at 1-8 rows and Llama-8B-like
+fused_gemv (add + RMSNorm + projection, SiLU*mul for gate_up) for one row at Llama-8B-like
 and ragged shapes; rope_and_write_kv against RotaryEmbedding + write_kv_cache (neox, GPT-J,
 partial rotary, padding slots that must write nothing).
 """
@@ -46,13 +46,13 @@ def unfused(x, weight, residual, norm_weight, silu_mul):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n, k, silu_mul", [(6144, 4096, False), (28672, 4096, True),
                                             (4096, 14336, False), (200, 328, True),
                                             (77, 96, False)])
 @pytest.mark.parametrize("fuse_norm", [False, True])
-def test_fused_gemv_matches_unfused_ops(rows, n, k, silu_mul, fuse_norm, dtype):
-    gen = torch.Generator(device=DEV).manual_seed(rows * n + k)
+def test_fused_gemv_matches_unfused_ops(n, k, silu_mul, fuse_norm, dtype):
+    rows = 1
+    gen = torch.Generator(device=DEV).manual_seed(n + k)
     x = torch.randn(rows, k, generator=gen, device=DEV).to(dtype)
     weight = (torch.randn(n, k, generator=gen, device=DEV) / k ** 0.5).to(dtype)
     residual = torch.randn(rows, k, generator=gen, device=DEV).to(dtype) if fuse_norm else None

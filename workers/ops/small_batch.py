@@ -1,10 +1,10 @@
-"""Small decode batches on aiter-triton: the projections as fused GEMV kernels.
+"""Batch-1 decode on aiter-triton: the projections as fused GEMV kernels.
 
-A dense decoder layer at <= MAX_ROWS tokens runs as five launches instead of about thirteen
+A dense decoder layer at MAX_ROWS token(s) runs as seven launches instead of about thirteen
 (workers/ops/gpu/decode_gemv.py says what is fused and why):
 
-    [add + rms_norm + qkv] [rope + KV write] [attention] [o_proj] [add + rms_norm + gate_up +
-    silu*mul] [down]
+    [add + rms_norm + qkv] [rope + KV write] [attention splits] [combine] [o_proj]
+    [add + rms_norm + gate_up + silu*mul] [down]
 
 This module holds only the decision and the calls; it imports no Triton until a kernel runs, so
 CPU installs (no triton) can import the models.
@@ -17,7 +17,7 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.linear import LinearBase
 from tandem.workers.ops.norm import RMSNorm
 
-MAX_ROWS = 8  # = decode_gemv.MAX_ROWS; above it cuBLAS reads the weights as fast
+MAX_ROWS = 1  # = decode_gemv.MAX_ROWS; at 2+ rows cuBLAS reads the weights faster
 
 
 def fusable(norms: tuple[RMSNorm, ...], linears: tuple[LinearBase, ...]) -> bool:

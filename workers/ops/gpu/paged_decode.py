@@ -12,9 +12,11 @@ Pass 1 (`_decode_split_kernel`), one program per (seq, kv_head, split):
     An empty range (short sequence, many splits) writes lse_s = -inf and o_s = 0.
 Pass 2, the combine, one per (seq, query head):
     out = sum_s exp(lse_s - m) o_s / (sum_s exp(lse_s - m) + exp(sink - m)),  m = max(lse, sink)
-    which is the exact softmax over all visible keys (plus the sink logit, if any). By default
-    the last split program of each (seq, KV head) runs it in the same launch
-    (`_combine_if_last`); `_combine_splits_kernel` is the separate launch (MLA decode uses it).
+    which is the exact softmax over all visible keys (plus the sink logit, if any).
+    Tried twice and dropped: the last split of each (seq, KV head) combining in the same launch
+    (atomic counter): 14.3 vs 13.3 us at 1 x 4k on an H100 even with all partials loaded at
+    once (bench/results/engine-h100-fusions.log); the tail program's work stays on the
+    critical path either way.
 
 Everything the kernels read about the batch lives on the device (seq_lens, block_tables), and
 the grid depends only on the batch size: a launch can be captured in a CUDA graph and replayed
@@ -27,24 +29,25 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
+
 
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr, counters_ptr, sinks_ptr, out_ptr, scale, num_splits,
-        stride_q_tok, stride_q_head, stride_out_tok, stride_out_head,
+        part_out_ptr, part_lse_ptr, scale, num_splits,
+        stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
         stride_table,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-        FUSED_COMBINE: tl.constexpr, COMBINE_G: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        COMBINE_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
+    wait_for_previous_kernel(USE_PDL)  # q and this step's KV come from the previous kernels
 
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
@@ -101,70 +104,16 @@ def _decode_split_kernel(
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
              mask=mask_g[:, None])
     tl.store(part_lse_ptr + row, lse, mask=mask_g)
-    if FUSED_COMBINE:
-        _combine_if_last(part_out_ptr, part_lse_ptr, counters_ptr + seq * num_kv_heads + kv_head,
-                         sinks_ptr, out_ptr + seq * stride_out_tok, stride_out_head,
-                         (seq * num_kv_heads + kv_head) * GROUP, kv_head * GROUP, num_splits,
-                         GROUP, COMBINE_G, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD, COMBINE_D,
-                         HAS_SINKS)
-
-
-@triton.jit
-def _combine_if_last(part_out_ptr, part_lse_ptr, counter_ptr, sinks_ptr, out_ptr,
-                     stride_out_head, first_row_head, first_head, num_splits,
-                     GROUP: tl.constexpr, COMBINE_G: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     COMBINE_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """The last split of a (seq, kv_head) to finish combines all of them (same formula as
-    _combine_splits_kernel) for the GROUP query heads, so no second launch is needed.
-
-    Invariants: the barrier puts every thread's partial stores before the counter's acq_rel
-    increment, so the program that sees num_splits - 1 also sees every split's partials (read
-    with .cg, past the SM's L1). That program resets the counter to 0: counters are 0 between
-    launches and CUDA-graph replays. All partials of the group are loaded at once ([G, S, d]
-    tiles, two column chunks for 128-wide heads): an earlier version looping over splits one
-    L2 round trip at a time was slower than the separate combine kernel.
-    """
-    tl.debug_barrier()
-    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-    if finished == num_splits - 1:
-        offs_g = tl.arange(0, COMBINE_G)
-        offs_s = tl.arange(0, SPLITS_PAD)
-        mask_g = offs_g < GROUP
-        mask_gs = mask_g[:, None] & (offs_s < num_splits)[None, :]
-        rows = (first_row_head + offs_g)[:, None] * num_splits + offs_s[None, :]  # [G, S]
-        lse = tl.load(part_lse_ptr + rows, mask=mask_gs, other=float("-inf"),
-                      cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + first_head + offs_g, mask=mask_g,
-                           other=float("-inf")).to(tl.float32)
-            m = tl.maximum(m, sink)
-        m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: every weight is 0
-        weights = tl.exp(lse - m[:, None])  # [G, S]
-        denom = tl.sum(weights, 1)
-        if HAS_SINKS:
-            denom += tl.exp(sink - m)
-        denom = tl.where(denom > 0, denom, 1.0)
-        for d0 in tl.static_range(0, HEAD_DIM_PAD, COMBINE_D):
-            offs_d = d0 + tl.arange(0, COMBINE_D)
-            parts = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM_PAD
-                            + offs_d[None, None, :], mask=mask_gs[:, :, None], other=0.0,
-                            cache_modifier=".cg")  # [G, S, d]
-            out = tl.sum(parts * weights[:, :, None], 1) / denom[:, None]  # [G, d]
-            tl.store(out_ptr + (first_head + offs_g)[:, None] * stride_out_head
-                     + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=mask_g[:, None] & (offs_d < HEAD_DIM)[None, :])
-        tl.atomic_xchg(counter_ptr, 0)
 
 
 @triton.jit
 def _combine_splits_kernel(
         part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
@@ -200,6 +149,7 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
         part_out, part_lse, sinks if sinks is not None else part_lse, out,
         out.stride(0), out.stride(1), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=width_pad,
         NUM_SPLITS=num_splits, CHUNK_D=chunk, HAS_SINKS=sinks is not None,
+        USE_PDL=pdl_enabled(out.device), launch_pdl=pdl_enabled(out.device),
         num_warps=4 if chunk >= 128 else 1)
 
 
@@ -222,8 +172,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int, out: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None, block_n: int = 64,
-                           num_warps: int = 4, num_stages: int | None = None,
-                           fused_combine: bool = True) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
@@ -231,8 +180,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bench/tune_kernels.py and bench/engine.py on an H100: 64-key tiles, 4 warps, 3 pipeline
     stages for a single split (one program loops over many tiles), else 2 (whole model steps
     at batch 1-8 ran ~2-4% faster than with 1, within one kernel's timing noise alone).
-    fused_combine: the last split of each (seq, KV head) combines them in the same launch
-    (_combine_if_last); False runs the separate combine kernel (kept for comparison).
     """
     if num_stages is None:
         num_stages = 3 if num_splits == 1 else 2
@@ -248,43 +195,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_dim_pad = triton.next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(q)
-    if out.stride(2) != 1:
-        raise ValueError("out needs a contiguous head_dim")
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim_pad, dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fused = fused_combine and num_splits > 1
-    combine_g = triton.next_power_of_2(group)
-    # [G, S, d] partial tiles of at most 8192 fp32 values in the fused combine.
-    combine_d = max(16, min(head_dim_pad, 8192 // (combine_g * num_splits)))
+    pdl = pdl_enabled(q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        _split_counters(q.device, num_seqs * num_kv_heads) if fused else part_lse,
-        sinks if sinks is not None else part_lse, out, scale, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
+        q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32, FUSED_COMBINE=fused, COMBINE_G=combine_g,
-        SPLITS_PAD=num_splits, COMBINE_D=combine_d, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages)
-    if not fused:
-        combine_splits(part_out, part_lse, out, sinks)
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
+        num_stages=num_stages)
+    combine_splits(part_out, part_lse, out, sinks)
     return out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), kept for the process: each fused
-    launch leaves them at 0 again. Kernels on one device run in stream order (the engine uses
-    one stream), so launches never share a counter concurrently."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = _counters[device] = torch.zeros(max(needed, 8192), dtype=torch.int32,
-                                                   device=device)
-    return counters

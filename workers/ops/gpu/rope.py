@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
+
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
@@ -87,8 +89,10 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_p
                           NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                           Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     tok = tl.program_id(0)
+    wait_for_previous_kernel(USE_PDL)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
@@ -140,4 +144,5 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4)
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        USE_PDL=pdl_enabled(q.device), launch_pdl=pdl_enabled(q.device), num_warps=4)
