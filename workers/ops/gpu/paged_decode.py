@@ -47,8 +47,9 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
-    wait_for_previous_kernel(USE_PDL)  # q and this step's KV come from the previous kernels
 
+    # Before the PDL wait only what the previous kernel (the KV write) cannot have written:
+    # seq_lens and block_tables, filled at least two kernels earlier (attention_gpu.py).
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
     if SLIDING_WINDOW > 0:
@@ -57,6 +58,11 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
+
+    table = block_tables_ptr + seq * stride_table
+    pos = lo + tl.arange(0, BLOCK_N)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    wait_for_previous_kernel(USE_PDL)  # q and this step's KV come from the previous kernels
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -69,11 +75,9 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    table = block_tables_ptr + seq * stride_table
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):  # `block`: this tile's block ids, loaded ahead
         pos = start + tl.arange(0, BLOCK_N)
         mask_n = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot_in_block = pos % BLOCK_SIZE
         k_off = block * stride_k_block + slot_in_block * stride_k_slot + kv_head * stride_k_head
         v_off = block * stride_v_block + slot_in_block * stride_v_slot + kv_head * stride_v_head
@@ -95,6 +99,9 @@ def _decode_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        next_pos = pos + BLOCK_N
+        block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < hi,
+                        other=0).to(tl.int64)
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
