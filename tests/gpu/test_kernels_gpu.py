@@ -138,7 +138,9 @@ def test_kv_write_skips_padding_slots():
     write_kv_cache(k, k, cache, cache.clone(), torch.tensor([5, -1, 40], device=DEV))
     flat = cache.view(-1, 2, 64)
     assert torch.equal(flat[5], k[0]) and torch.equal(flat[40], k[2])
-    assert flat.abs().sum() == k[0].abs().sum() + k[2].abs().sum()  # nothing else written
+    flat[5] = 0.0
+    flat[40] = 0.0
+    assert not flat.any()  # nothing else written (an exact check, unlike comparing fp32 sums)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
