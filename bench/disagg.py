@@ -1,57 +1,47 @@
-"""Disaggregated against aggregated serving on the same two devices, same request stream.
+"""Disaggregated against aggregated serving on the same two devices: goodput under SLOs.
 
-    python -m tandem.bench.disagg --out disagg.json                 # 2 GPUs, Llama-3-8B shape
-    python -m tandem.bench.disagg --model-path /models/llama --devices cuda:0,cuda:1
-    python -m tandem.bench.disagg --cpu-smoke --out smoke.json      # tiny model on CPU, < 60 s
+    python -m tandem.bench.disagg --quick --out disagg.json   # 2 H200s, Llama-3-8B shape, ~6 min
+    python -m tandem.bench.disagg --out disagg.json           # the same, finer (~15 min)
+    python -m tandem.bench.disagg --cpu-smoke --out smoke.json   # tiny model on CPU, ~1 min
 
-Layouts (each a router + workers started here as real processes on 127.0.0.1):
+Layouts (each a router + workers started here as real processes on 127.0.0.1, once per
+layout and reused for every mix and rate; 8B-shaped bf16 random weights, load-format dummy):
   disaggregated  1 prefill worker on the first device + 1 decode worker on the second; the
-                 prompt's KV cache moves from one to the other through the workers' KV seam.
-  aggregated     2 `--role both` workers, one per device; each request runs prefill and
-                 decode on one worker (the router picks the least loaded), no KV moves.
+                 prompt's KV moves between them (--kv-transfer auto: cuda-ipc on one host).
+  aggregated     2 `--role both` workers, one per device; the router picks the less loaded.
 
-Mixes: prefill-heavy (long prompts, short answers) and decode-heavy (short prompts, long
-answers). For each mix and each Poisson rate, both layouts get the identical stream: the same
-seed draws the same prompts, lengths and arrival times (bench/workload.py, bench/loadgen.py).
-Every request runs to exactly max_tokens (min_tokens = max_tokens), so output lengths do not
-depend on the random weights. The first --warmup requests of each run (JIT compiles, first
-CUDA-graph replays) are not counted.
+Mixes: prefill-heavy (prompts 2000-4000 tokens, 32-64 out) and decode-heavy (100-300 in,
+128-256 out). Each stack is warmed up on both mixes first (JIT, CUDA graphs, KV paths).
 
-Measured per layout x mix x rate, at the client (bench/records.py): TTFT (send to first token)
-and TPOT ((last - first token) / (tokens - 1)) p50/p90/p99, request and output-token
-throughput, and goodput: successful requests per second that met TTFT <= --slo-ttft and TPOT <=
---slo-tpot, over the run's window (bench/report.py). Goodput, not throughput, is the number to
-compare: both layouts are offered the same load, so they finish about the same requests per
-second until one of them falls behind; what differs first is how many requests still meet the
-latency targets. The headline is goodput(disaggregated) / goodput(aggregated) per mix, at each
-rate and at the best rate of each layout.
+Goodput (bench/disagg_sweep.py) is DistServe's SLO-attainment goodput: the highest Poisson
+rate at which >= --attainment (90%) of the requests meet TTFT <= --slo-ttft and TPOT <=
+--slo-tpot (failed requests miss), interpolated between the last passing and the first failing
+rate. Per layout x mix an adaptive sweep finds it: from --<mix>-start-rate the rate grows by
+--rate-factor while runs pass the loosest SLO reported, then the bracket is refined once; it
+also stops when the next run would overrun --sweep-seconds (goodput then a lower bound, ">=").
+A run sends max(--min-requests, rate x --run-seconds) requests after --warmup uncounted ones,
+all to max_tokens (min_tokens = max_tokens); prompts are seeded by mix and rate, so both layouts
+get the identical stream at a rate and no run hits another's prefix cache. Workers are idle
+before each run. The report: one line per run (attainment, TTFT/TPOT percentiles, router CPU
+share: a router near 100% is the bottleneck, not the GPUs), then per mix each layout's goodput
+and the ratio disaggregated / aggregated, for the SLO given and for each TPOT SLO of
+--tpot-grid (same runs), then how long each phase took.
 
-What to expect, and why:
-  * Aggregated: a worker runs prefill steps and decode steps in turn (a scheduler step is one
-    or the other), so every prompt that arrives stalls the decodes in flight on that worker
-    for the length of its prefill (tens of ms per 2k-token chunk on an H200 with an 8B model).
-    With long prompts arriving often, TPOT p90/p99 grow with the prefill load, and TTFT queues
-    behind both kinds of step. Both devices do both jobs, so all of the compute is used.
-  * Disaggregated: decode steps are never interrupted by a prefill, so TPOT stays near the bare
-    decode step time at the decode worker's batch size, and TTFT depends only on the prefill
-    queue. The costs: (1) every request's KV moves between devices before its second token (on
-    this branch over gRPC through host memory; ~128 KiB per token for Llama-3-8B in bf16, so
-    a 3k-token prompt moves ~400 MB), which adds to the time between first and second token
-    and can cap the request rate; (2) a fixed 1:1 split: on the prefill-heavy mix the decode
-    device idles while one device does all the prefill work that two devices share in the
-    aggregated layout, and on the decode-heavy mix it is the prefill device that idles. So
-    disaggregation wins goodput where a tight TPOT SLO is what aggregated serving misses, and
-    loses where raw prefill (or decode) capacity of one device is the limit.
-
-Process logs go to a temporary folder, printed at the start and on failure, kept on failure or
-with --keep-logs. Ctrl-C or SIGTERM stops the router, then the workers. The table is printed
-last on stdout; --out writes everything as JSON (runs with full statistics, comparisons).
+What to expect: the scheduler is prefill-first, so on an aggregated worker every arriving prompt
+stalls the decodes in flight for its prefill (~50 ms per 2k-token chunk, 8B on an H200): TPOT
+grows with the prefill load while both GPUs share the prefill work. Disaggregated decodes are
+never interrupted, but one GPU does all the prefill (prefill-heavy) or all the decode
+(decode-heavy). So disaggregation wins where a tight TPOT SLO is what aggregated serving misses,
+and loses where one device's raw capacity is the limit: the TPOT grid shows where the ratio
+crosses 1. Short runs (--quick: 6 s of arrivals) show overload late, biasing every goodput up.
+Process logs go to a temporary folder (kept on failure or with --keep-logs).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import resource
 import shutil
 import signal
 import sys
@@ -60,29 +50,37 @@ import time
 from pathlib import Path
 
 from tandem.bench.config import BenchmarkConfig
+from tandem.bench.disagg_report import format_report, run_row, summarize
 from tandem.bench.disagg_stack import (LocalStack, StackFailure, build_tiny_checkpoint,
                                        write_tokenizer)
+from tandem.bench.disagg_sweep import RatePoint, RateSweep, attainment, samples_of
 from tandem.bench.runner import BenchmarkError, run_benchmark
 
-__all__ = ["LAYOUTS", "MIXES", "build_parser", "compare_runs", "format_report",
-           "goodput_ratio", "main", "run_row"]
+__all__ = ["LAYOUTS", "MIXES", "build_parser", "layout_workers", "main", "resolve"]
 LAYOUTS = ("disaggregated", "aggregated")
 MIXES = ("prefill-heavy", "decode-heavy")
-# Defaults per mode; a flag given on the command line wins. Sized for 2 H200s and an 8B model:
-# two stack starts (~1 min each with CUDA-graph capture) and 8 runs of 80 requests, ~6 min.
+_GPU = {"devices": "cuda:0,cuda:1", "dtype": "bfloat16", "kernels": "auto",
+        "max_model_len": 8192, "num_kv_blocks": 20000, "max_num_seqs": 128,
+        "prefill_heavy_input": "uniform:2000:4000", "prefill_heavy_output": "uniform:32:64",
+        "decode_heavy_input": "uniform:100:300", "decode_heavy_output": "uniform:128:256",
+        "request_timeout": 30.0, "warmup_requests": 8}
+# Defaults per preset; a flag given on the command line wins.
 DEFAULTS = {
-    "gpu": {"devices": "cuda:0,cuda:1", "dtype": "bfloat16", "kernels": "auto",
-            "max_model_len": 8192, "num_kv_blocks": 20000, "max_num_seqs": 128,
-            "num_requests": 80, "warmup": 4, "request_timeout": 60.0,
-            "prefill_heavy_input": "uniform:2000:4000", "prefill_heavy_output": "uniform:32:64",
-            "prefill_heavy_rates": "2,4", "decode_heavy_input": "uniform:100:300",
-            "decode_heavy_output": "uniform:300:600", "decode_heavy_rates": "4,8"},
+    "gpu": {**_GPU, "prefill_heavy_start_rate": 4.0, "decode_heavy_start_rate": 8.0,
+            "rate_factor": 1.4, "run_seconds": 15.0, "min_requests": 30, "warmup": 4,
+            "sweep_seconds": 180.0},
+    # Sized for 2 H200s: 2 stack starts + warm-ups (~1 min) and 4 sweeps of <= 70 s.
+    "quick": {**_GPU, "prefill_heavy_start_rate": 5.0, "decode_heavy_start_rate": 12.0,
+              "rate_factor": 1.6, "run_seconds": 6.0, "min_requests": 12, "warmup": 2,
+              "sweep_seconds": 70.0},
     "smoke": {"devices": "cpu,cpu", "dtype": "float32", "kernels": "torch",
               "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 8,
-              "num_requests": 3, "warmup": 0, "request_timeout": 30.0,
               "prefill_heavy_input": "uniform:48:96", "prefill_heavy_output": "uniform:2:3",
-              "prefill_heavy_rates": "20", "decode_heavy_input": "uniform:4:8",
-              "decode_heavy_output": "uniform:10:16", "decode_heavy_rates": "20"},
+              "decode_heavy_input": "uniform:4:8", "decode_heavy_output": "uniform:10:16",
+              "request_timeout": 20.0, "warmup_requests": 2,
+              "prefill_heavy_start_rate": 4.0, "decode_heavy_start_rate": 4.0,
+              "rate_factor": 2.0, "run_seconds": 1.5, "min_requests": 4, "warmup": 0,
+              "sweep_seconds": 4.0},
 }
 
 
@@ -95,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a bench/engine_models.py shape with random weights (load-format "
                             "dummy; default llama3-8b)")
     model.add_argument("--model-path", type=Path, help="a real HF checkpoint folder instead")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny transformers-built checkpoint on CPU, tiny lengths, few requests")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="the ~6 min preset (2 H200s)")
+    preset.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny transformers-built checkpoint on CPU, tiny lengths and runs")
     p.add_argument("--devices", metavar="D0,D1",
                    help="the two devices: prefill,decode (disaggregated); one aggregated worker "
                         "on each (default cuda:0,cuda:1; cpu,cpu with --cpu-smoke)")
@@ -106,13 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f"--{mix}"
         p.add_argument(f"{flag}-input", metavar="DIST", help=f"{mix} prompt lengths")
         p.add_argument(f"{flag}-output", metavar="DIST", help=f"{mix} output lengths")
-        p.add_argument(f"{flag}-rates", metavar="R1,R2", help=f"{mix} Poisson rates (req/s)")
-    p.add_argument("--num-requests", type=int, help="measured requests per run")
+        p.add_argument(f"{flag}-start-rate", type=float, metavar="R",
+                       help=f"{mix}: the sweep's first Poisson rate (req/s)")
+        p.add_argument(f"{flag}-rates", metavar="R1,R2",
+                       help=f"{mix}: run exactly these rates instead of the adaptive sweep")
+    p.add_argument("--rate-factor", type=float, help="the sweep's step up (x)")
+    p.add_argument("--run-seconds", type=float, metavar="S", help="arrival window of one run")
+    p.add_argument("--min-requests", type=int, help="measured requests per run, at least")
     p.add_argument("--warmup", type=int, help="uncounted requests before each run")
+    p.add_argument("--warmup-requests", type=int, help="per mix, once per stack, before runs")
+    p.add_argument("--sweep-seconds", type=float, metavar="S",
+                   help="time allowance of one layout x mix sweep")
     p.add_argument("--request-timeout", type=float, metavar="S",
                    help="deadline of each request (an overloaded run still ends)")
     p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="default 2 s")
     p.add_argument("--slo-tpot", type=float, default=0.05, metavar="S", help="default 0.05 s")
+    p.add_argument("--tpot-grid", default="0.01,0.015,0.025,0.05", metavar="S1,S2",
+                   help="TPOT SLOs (s) for the sensitivity table (the --slo-tpot is added)")
+    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment target")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype")
     p.add_argument("--kernels")
@@ -126,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the flags left unset from DEFAULTS["smoke" or "gpu"]."""
-    for key, value in DEFAULTS["smoke" if args.cpu_smoke else "gpu"].items():
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the flags left unset from the preset's DEFAULTS; parses the lists."""
+    preset = "smoke" if args.cpu_smoke else "quick" if args.quick else "gpu"
+    args.preset = preset
+    for key, value in DEFAULTS[preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.device_list = [d.strip() for d in args.devices.split(",")]
@@ -139,7 +152,11 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.mix_rates = {}
     for mix in args.mix_list:
         text = getattr(args, f"{mix.replace('-', '_')}_rates")
-        args.mix_rates[mix] = [float(r) for r in text.split(",") if r.strip()]
+        args.mix_rates[mix] = [float(r) for r in text.split(",") if r.strip()] if text else None
+    args.tpot_list = sorted({float(t) for t in args.tpot_grid.split(",") if t.strip()}
+                            | {args.slo_tpot})
+    if not 0 < args.attainment <= 1 or args.rate_factor <= 1:
+        raise SystemExit("--attainment must be in (0, 1] and --rate-factor > 1")
     return args
 
 
@@ -181,125 +198,130 @@ def layout_workers(layout: str, devices: list[str]) -> list[tuple[str, str]]:
     return [("both", devices[0]), ("both", devices[1])]
 
 
-def run_row(stats: dict) -> dict:
-    """What the table shows of one run's compute_stats: latencies in ms, rates per second."""
-    def ms(key: str) -> dict:
-        return {p: (None if stats[key][p] is None else stats[key][p] * 1e3)
-                for p in ("p50", "p90", "p99")}
-
-    goodput = stats["goodput"] or {}
-    return {"ttft_ms": ms("ttft_s"), "tpot_ms": ms("tpot_s"),
-            "request_throughput": stats["request_throughput"],
-            "output_token_throughput": stats["output_token_throughput"],
-            "goodput": goodput.get("requests_per_s"), "num_good": goodput.get("num_good"),
-            "num_ok": stats["num_ok"], "num_errors": stats["num_errors"]}
+def _lengths(args, mix: str) -> tuple[str, str]:
+    key = mix.replace("-", "_")
+    return getattr(args, f"{key}_input"), getattr(args, f"{key}_output")
 
 
-def goodput_ratio(disaggregated: float | None, aggregated: float | None) -> float | None:
-    """disaggregated / aggregated goodput; None when undefined (a missing value, or aggregated
-    0: no finite ratio says "aggregated met nothing")."""
-    if disaggregated is None or aggregated is None or aggregated <= 0:
-        return None
-    return disaggregated / aggregated
+def _warm_up(args, router: str) -> None:
+    """Every mix's shapes once through the stack (JIT compiles, graph replays, KV moves)."""
+    for mix in args.mix_list:
+        input_len, _ = _lengths(args, mix)
+        run_benchmark(BenchmarkConfig(
+            router=router, concurrency=4, num_requests=args.warmup_requests,
+            input_len=input_len, output_len="8", seed=args.seed + 10**6,
+            timeout_s=args.ready_timeout))
 
 
-def compare_runs(runs: list[dict]) -> dict:
-    """Per mix: the ratio at each rate run in both layouts, and the ratio of each layout's best
-    goodput over its rates. `runs` items: {"layout", "mix", "rate", "row"}."""
-    comparison: dict = {}
-    for mix in dict.fromkeys(run["mix"] for run in runs):
-        by_key = {(r["layout"], r["rate"]): r["row"] for r in runs if r["mix"] == mix}
-        rates = sorted({rate for _, rate in by_key})
-        per_rate = {}
-        for rate in rates:
-            disagg, agg = by_key.get(("disaggregated", rate)), by_key.get(("aggregated", rate))
-            if disagg and agg:
-                per_rate[f"{rate:g}"] = goodput_ratio(disagg["goodput"], agg["goodput"])
-        best = {layout: max((row["goodput"] or 0.0 for (lay, _), row in by_key.items()
-                             if lay == layout), default=None) for layout in LAYOUTS}
-        comparison[mix] = {"goodput_ratio_by_rate": per_rate,
-                           "best_goodput": best,
-                           "goodput_ratio_best": goodput_ratio(best["disaggregated"],
-                                                               best["aggregated"])}
-    return comparison
+def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dict:
+    """One open-loop run at `rate` on an idle stack: its row and per-request samples."""
+    input_len, output_len = _lengths(args, mix)
+    if not stack.wait_idle():
+        _log("workers still busy after 30 s; running anyway")
+    cpu_before, client_before = stack.router_cpu_seconds(), _client_cpu_seconds()
+    started = time.monotonic()
+    result = run_benchmark(BenchmarkConfig(
+        router=router, rate=rate, num_requests=max(args.min_requests,
+                                                   math.ceil(rate * args.run_seconds)),
+        warmup=args.warmup, input_len=input_len, output_len=output_len,
+        seed=args.seed + 7919 * MIXES.index(mix) + round(rate * 1000),
+        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.request_timeout,
+        show_progress=True))
+    seconds = time.monotonic() - started
+    stack.check_alive()
+    cpu_after = stack.router_cpu_seconds()
+    samples = samples_of(result.records)
+    row = run_row(result.stats)
+    row.update(attainment=attainment(samples, args.slo_ttft, args.slo_tpot), seconds=seconds,
+               client_cpu=(_client_cpu_seconds() - client_before) / seconds,
+               router_cpu=None if cpu_before is None or cpu_after is None
+               else (cpu_after - cpu_before) / seconds)
+    return {"rate": rate, "row": row, "stats": result.stats, "samples": samples,
+            "model_info": result.model_info}
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
-def format_report(result: dict) -> str:
-    """The fixed-width table: one line per mix x rate x layout, then the goodput ratios."""
-    config = result["config"]
-    header = (f"{'mix':<14}{'rate':>6} {'layout':<14}{'TTFT p50':>9}{'p90':>7}{'p99':>7}"
-              f"{'TPOT p50':>9}{'p90':>6}{'p99':>6}{'req/s':>7}{'tok/s':>8}{'goodput':>8}"
-              f"{'good':>9}{'err':>4}")
-    title = (f" Disaggregated vs aggregated: {result['model']} on {config['devices']}; SLO TTFT "
-             f"<= {config['slo_ttft'] * 1e3:g} ms, TPOT <= {config['slo_tpot'] * 1e3:g} ms "
-             "(latencies ms) ")
-    lines = [title.center(len(header), "="), header]
-    for run in result["runs"]:
-        row = run["row"]
-        lines.append(
-            f"{run['mix']:<14}{run['rate']:>6g} {run['layout']:<14}"
-            f"{_fmt(row['ttft_ms']['p50']):>9}{_fmt(row['ttft_ms']['p90']):>7}"
-            f"{_fmt(row['ttft_ms']['p99']):>7}{_fmt(row['tpot_ms']['p50'], 1):>9}"
-            f"{_fmt(row['tpot_ms']['p90'], 1):>6}{_fmt(row['tpot_ms']['p99'], 1):>6}"
-            f"{_fmt(row['request_throughput'], 2):>7}{_fmt(row['output_token_throughput']):>8}"
-            f"{_fmt(row['goodput'], 2):>8}{row['num_good']!s:>5}/{row['num_ok']:<3}"
-            f"{row['num_errors']:>4}")
-    lines.append("-" * len(header))
-    for mix, comp in result["comparison"].items():
-        by_rate = ", ".join(f"{rate} req/s: {_ratio(ratio)}"
-                            for rate, ratio in comp["goodput_ratio_by_rate"].items()) or "n/a"
-        lines.append(f"goodput disaggregated/aggregated, {mix}: best rate "
-                     f"{_ratio(comp['goodput_ratio_best'])} ({by_rate})")
-    lines.append("=" * len(header))
-    return "\n".join(lines)
+def sweep(args, stack: LocalStack, router: str, layout: str, mix: str) -> list[dict]:
+    """The adaptive sweep (or the explicit --<mix>-rates) of one layout x mix."""
+    explicit = args.mix_rates[mix]
+    queue = list(explicit or [])
+    rates = RateSweep(start=getattr(args, f"{mix.replace('-', '_')}_start_rate"),
+                      factor=args.rate_factor, stop_slo=(args.slo_ttft, max(args.tpot_list)),
+                      target=args.attainment)
+    runs, points, started = [], [], time.monotonic()
+    while True:
+        if explicit is not None:
+            if not queue:
+                break
+            rate = queue.pop(0)
+        else:
+            rate = rates.next_rate(points)
+            if rate is None:
+                break
+            longest = max((p.seconds for p in points), default=0.0)
+            if points and time.monotonic() - started + longest > args.sweep_seconds:
+                _log(f"{layout} / {mix}: next run would pass --sweep-seconds "
+                     f"{args.sweep_seconds:g}; stopping")
+                break
+        _log(f"{layout} / {mix} / {rate:.3g} req/s ...")
+        run = run_once(args, stack, router, mix, rate)
+        run.update(layout=layout, mix=mix)
+        runs.append(run)
+        points.append(RatePoint(rate, run["samples"], run["row"]["seconds"]))
+        _log(f"{layout} / {mix} / {rate:.3g} req/s: {run['row']['attainment']:.0%} met the "
+             f"SLO, {run['row']['seconds']:.1f} s")
+    return runs
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> dict:
-    """Every layout x mix x rate; returns the JSON-ready result."""
+    """Every layout x mix sweep; returns the JSON-ready result."""
+    phases: list[tuple[str, float]] = []
+    clock = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        phases.append((name, now - clock))
+        clock = now
+
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir, load_flags = _prepare_model(args, run_dir)
     worker_args = _worker_args(args, load_flags)
     env = {"OMP_NUM_THREADS": "1"} if args.cpu_smoke else {}
     runs, model_info = [], {}
+    phase("model folder")
     for layout in args.layout_list:
         stack = LocalStack(layout, model_dir, layout_workers(layout, args.device_list), log_dir,
                            worker_args=worker_args, env=env, ready_timeout_s=args.ready_timeout,
                            router_args=["--max-model-len", str(args.max_model_len)])
         _log(f"{layout}: starting {stack.workers} ...")
         router = stack.start()
-        _log(f"{layout}: router {router} ready")
+        phase(f"{layout}: start")
         try:
+            _warm_up(args, router)
+            phase(f"{layout}: warm-up")
             for mix in args.mix_list:
-                key = mix.replace("-", "_")
-                for rate in args.mix_rates[mix]:
-                    _log(f"{layout} / {mix} / {rate:g} req/s ...")
-                    result = run_benchmark(BenchmarkConfig(
-                        router=router, rate=rate, num_requests=args.num_requests,
-                        warmup=args.warmup, input_len=getattr(args, f"{key}_input"),
-                        output_len=getattr(args, f"{key}_output"), seed=args.seed,
-                        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                        timeout_s=args.request_timeout, show_progress=True))
-                    stack.check_alive()
-                    model_info = result.model_info
-                    runs.append({"layout": layout, "mix": mix, "rate": rate,
-                                 "row": run_row(result.stats), "stats": result.stats})
+                runs += sweep(args, stack, router, layout, mix)
+                model_info = runs[-1]["model_info"] if runs else model_info
+                count = sum(r["mix"] == mix and r["layout"] == layout for r in runs)
+                phase(f"{layout} / {mix}: {count} runs")
         finally:
             stack.stop()
             _log(f"{layout}: stopped")
+        phase(f"{layout}: stop")
     config = {k: v for k, v in vars(args).items() if k not in ("model_path", "out")}
     config.update(model_path=str(args.model_path) if args.model_path else None,
                   devices=",".join(args.device_list), worker_args_resolved=worker_args)
+    for r in runs:
+        r.pop("model_info", None)
     return {"model": model_info.get("model", model_dir.name), "model_info": model_info,
-            "config": config, "runs": runs, "comparison": compare_runs(runs)}
+            "config": config, "runs": runs, "summary": summarize(runs, args),
+            "phases": phases}
+
+
+def _client_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 _T0 = time.monotonic()
@@ -314,7 +336,7 @@ def _raise_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _resolve(build_parser().parse_args(argv))
+    args = resolve(build_parser().parse_args(argv))
     run_dir = Path(tempfile.mkdtemp(prefix="tandem-disagg-"))
     _log(f"logs and model config under {run_dir}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM cleans up like Ctrl-C
@@ -332,11 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2, default=str))
+        args.out.write_text(json.dumps(result, indent=1, default=str))
     if not args.keep_logs:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(format_report(result))
-    return 0 if all(run["row"]["num_ok"] for run in result["runs"]) else 1
+    cells = {(r["layout"], r["mix"]) for r in result["runs"]}
+    served = {(r["layout"], r["mix"]) for r in result["runs"] if r["row"]["num_ok"]}
+    return 0 if cells and served == cells else 1  # 1: some layout x mix served nothing
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.stack import free_port
 
-__all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "write_tokenizer"]
+__all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "process_cpu_seconds",
+           "write_tokenizer"]
 POLL_S = 0.2
 HEALTH_INTERVAL_S = 0.5  # the router's worker health checks
 
@@ -168,7 +169,6 @@ class LocalStack:
                                            f"({child.log_path}):\n{child.tail()}")
                     time.sleep(POLL_S)
 
-
     def _wait_pool(self, router: _Child, metrics_address: str, num_workers: int) -> None:
         """Until the router's tandem:worker_healthy gauge is 1 for every worker: it may have
         dialled a worker before that one listened, and then retries with a backoff."""
@@ -178,6 +178,48 @@ class LocalStack:
                 raise StackFailure(f"{router.name} did not see {num_workers} healthy workers; "
                                    f"its log ({router.log_path}):\n{router.tail()}")
             time.sleep(POLL_S)
+
+
+    @property
+    def worker_children(self) -> list[_Child]:
+        return [c for c in self.children if not c.name.endswith("-router")]
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Until every worker reports nothing running or waiting (the previous run's
+        stragglers and aborted requests are gone; pinned KV awaiting its lease costs no
+        compute); False when `timeout_s` passes first."""
+        from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        for child in self.worker_children:
+            with grpc.insecure_channel(child.address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                while True:
+                    try:
+                        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+                        if not (load.num_running or load.num_waiting):
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(POLL_S)
+        return True
+
+    def router_cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the router process has used so far; None off Linux."""
+        router = next((c for c in self.children if c.name.endswith("-router")), None)
+        return None if router is None else process_cpu_seconds(router.proc.pid)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a process from /proc/<pid>/stat (Linux), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _num_healthy(metrics_address: str) -> int:

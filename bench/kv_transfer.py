@@ -1,19 +1,31 @@
 """KV transfer between two GPUs of one host, each backend against the plain copy rate.
 
     python -m tandem.bench.kv_transfer [--blocks 1,2,4,...,128] [--iters 20] [--out r.json]
+    python -m tandem.bench.kv_transfer --device cpu --layers 4 --kv-heads 2 --head-dim 64 \\
+        --block-size 4 --blocks 1,3,7           # the grpc path end to end on CPU (no GPU)
 
-1. The device-to-device copy rate: one large tensor cuda:0 -> cuda:1 (CUDA events, warm-up,
-   median): the ceiling every backend is compared with.
+1. The plain copy rate: one large tensor cuda:0 -> cuda:1 (CUDA events, warm-up, median), the
+   ceiling every backend is compared with (--device cpu: a host memcpy).
 2. A source process holds a KV cache on cuda:0 (Llama-8B-shaped by default: 32 layers, 8 KV
    heads, head 128, block 16, bf16: 2 MiB per block over all layers, K and V) and serves the
    real KVTransferServicer on 127.0.0.1 with pinned handles of 1..128 scattered blocks. This
-   process pulls them into a cache on cuda:1:
+   process pulls them into scattered blocks of a cache on cuda:1:
      grpc          pull_kv: iter_payload_chunks -> gRPC stream -> PayloadWriter (host staging)
      cuda-ipc      KVReceiver.pull: LeaseKV RPC + the GPU-to-GPU copy from the mapped cache
      cuda-ipc copy copy_blocks alone (CUDA events): the data path without the lease RPC
-   Each pulled handle is checked bit-exact against the source once. The table (last) gives
-   median latency, GB/s and the ratio to the copy rate per backend and handle size.
-Exits 2 without two CUDA GPUs. Smaller handles: --block-size 1 (128 KiB per block).
+   The first pull of each backend and size lands on zeroed blocks and is checked bit for bit
+   against the source's blocks (on GPU read through the source's mapped cache; on CPU against
+   the same seeded fill). Then --warmup untimed pulls (1 once a pull takes over 0.25 s) and
+   up to --iters timed ones; a cell stops after --cell-seconds, keeping at least 3 timed
+   pulls. The table (last) gives per backend and handle size the median and p90 latency, GB/s
+   and the ratio to the copy rate.
+
+The caches hold random bit patterns, so some elements are NaNs (about 1 in 256 in bf16): the
+check compares bytes, never values (torch.equal is False on NaN == NaN). Comparing values was
+why this bench reported "grpc: bytes differ" although every byte had arrived.
+Exits 2 without two CUDA GPUs (unless --device cpu), 1 when a check fails. The default run is
+sized for under 90 s on 2 H200s (each backend x size cell is capped by --cell-seconds; the
+slowest, grpc at 128 blocks, moves 256 MiB per pull). Smaller handles: --block-size 1.
 """
 from __future__ import annotations
 
@@ -27,12 +39,18 @@ from types import SimpleNamespace
 
 import torch
 
-GiB = 1 << 30
+CPU_FILL_SEED = 1234
+
+
+class CheckFailed(AssertionError):
+    """A pulled handle's bytes differ from the source's."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.kv_transfer",
                                 description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: cuda:0 -> cuda:1 (default); cpu: both ends on the host, grpc only")
     p.add_argument("--blocks", default="1,2,4,8,16,32,64,128",
                    help="handle sizes in blocks (comma separated)")
     p.add_argument("--layers", type=int, default=32)
@@ -40,29 +58,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backends", default="grpc,cuda-ipc,cuda-ipc-copy")
+    p.add_argument("--backends", help="default grpc,cuda-ipc,cuda-ipc-copy (cpu: grpc)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cell-seconds", type=float, default=4.0,
+                   help="stop timing one backend x size after this long (>= 3 timed pulls)")
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the plain copy")
     p.add_argument("--out", help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.backends is None:
+        args.backends = "grpc" if args.device == "cpu" else "grpc,cuda-ipc,cuda-ipc-copy"
+    if args.device == "cpu" and args.backends != "grpc":
+        p.error("--device cpu measures the grpc backend only (cuda-ipc needs CUDA)")
+    return args
 
 
-def copy_rate(num_bytes: int, iters: int, warmup: int) -> float:
-    """Bytes/s of one tensor copy cuda:0 -> cuda:1 (median of iters, after warmup)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0").random_(0, 255)
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:1")
+def ends(args) -> tuple[str, str]:
+    """(source device, destination device)."""
+    return ("cpu", "cpu") if args.device == "cpu" else ("cuda:0", "cuda:1")
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included), whatever the dtype."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def copy_rate(args, num_bytes: int) -> float:
+    """Bytes/s of one tensor copy source -> destination device (median, after warmup)."""
+    src_dev, dst_dev = ends(args)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=src_dev).random_(0, 255)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=dst_dev)
     times = []
-    for i in range(warmup + iters):
-        with torch.cuda.device(1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
+    for i in range(args.warmup + args.iters):
+        if args.device == "cpu":
+            started = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - started
+        else:
+            with torch.cuda.device(1):
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        if i >= args.warmup:
+            times.append(seconds)
     assert torch.equal(dst[:4096].cpu(), src[:4096].cpu())
     return num_bytes / statistics.median(times)
 
@@ -75,20 +117,36 @@ def make_caches(args, num_blocks: int, device: str):
     return [(stack[2 * i], stack[2 * i + 1]) for i in range(args.layers)], stack
 
 
+def fill_random_bits(stack: torch.Tensor) -> None:
+    """Random bit patterns (NaNs and infinities included); on CPU from a fixed seed, so the
+    measuring process can rebuild the source's bytes for its check."""
+    bits = stack.view(torch.int16)
+    if stack.device.type == "cpu":
+        bits.random_(-2**15, 2**15, generator=torch.Generator().manual_seed(CPU_FILL_SEED))
+    else:
+        bits.random_(-2**15, 2**15)
+
+
 def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
-    """The prefill side (cuda:0): random caches, pinned handles, the real KVTransferServicer."""
+    """The prefill side: random caches, pinned handles, the real KVTransferServicer."""
     import grpc
 
     from tandem.v1 import worker_pb2_grpc
     from tandem.workers.kv.block_access import DirectKVBlocks
-    from tandem.workers.kv.cuda_ipc import CudaIpcExporter
     from tandem.workers.kv.grpc_backend import KVTransferServicer
     from tandem.workers.kv.layout import KVLayout
 
-    torch.cuda.set_device(0)
-    caches, stack = make_caches(args, num_blocks, "cuda:0")
-    stack.view(torch.int16).random_(-2**15, 2**15 - 1)
-    torch.cuda.synchronize()
+    device = ends(args)[0]
+    if device != "cpu":
+        torch.cuda.set_device(0)
+    caches, stack = make_caches(args, num_blocks, device)
+    fill_random_bits(stack)
+    exporter = None
+    if device != "cpu":
+        from tandem.workers.kv.cuda_ipc import CudaIpcExporter
+
+        torch.cuda.synchronize()
+        exporter = CudaIpcExporter(caches, KVLayout.from_kv_caches(caches))
     layout = KVLayout.from_kv_caches(caches)
     engine_state = SimpleNamespace(
         pinned={h: float("inf") for h in handles},
@@ -104,8 +162,7 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),
                                           ("grpc.max_receive_message_length", 64 << 20)])
         worker_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(Engine(), layout, DirectKVBlocks(caches),
-                               CudaIpcExporter(caches, layout)), server)
+            KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), exporter), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         queue.put(port)
@@ -116,7 +173,8 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
     asyncio.run(serve())
 
 
-async def measure(args, address: str, handles: dict, sizes: list[int], rate: float) -> list:
+async def measure(args, address: str, handles: dict, sizes: list[int], rate: float,
+                  num_source_blocks: int) -> list:
     import grpc
 
     from tandem.common.convert import layout_to_proto
@@ -127,40 +185,55 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
     from tandem.workers.kv.layout import KVLayout
     from tandem.workers.kv.receiver import KVReceiver
 
-    device = torch.device("cuda:1")
-    torch.cuda.set_device(device)
+    on_gpu = args.device != "cpu"
+    device = torch.device(ends(args)[1])
+    if on_gpu:
+        torch.cuda.set_device(device)
     local_blocks = max(sizes) * 2 + 1
-    caches, _ = make_caches(args, local_blocks, "cuda:1")
+    caches, _ = make_caches(args, local_blocks, str(device))
     layout = KVLayout.from_kv_caches(caches)
     channel = grpc.aio.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", 64 << 20)])
-    stub = worker_pb2_grpc.KVTransferStub(channel)
-    export = await stub.ExportKVCache(worker_pb2.ExportKVCacheRequest(
-        expected_layout=layout_to_proto(layout)))
-    check_peer = cuda_ipc.open_peer(export, device)  # the source's bytes, for the checks
-    receiver = KVReceiver("cuda-ipc", layout, DirectKVBlocks(caches), caches, device, 1)
     flat = cuda_ipc.flat_caches(caches)
-    stacked = cuda_ipc.stacked_view(flat)
+    endpoint, receiver, check_peer, stacked = None, None, None, None
+    if on_gpu:
+        export = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
+            worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(layout)))
+        endpoint = export.endpoint
+        check_peer = cuda_ipc.open_peer(export, device)  # the source's bytes, for the checks
+        source_flat = check_peer.caches
+        receiver = KVReceiver("cuda-ipc", layout, DirectKVBlocks(caches), caches, device, 1)
+        stacked = cuda_ipc.stacked_view(flat)
+    else:  # the source filled its cache from CPU_FILL_SEED: rebuild the same bytes here
+        source_caches, source_stack = make_caches(args, num_source_blocks, "cpu")
+        fill_random_bits(source_stack)
+        source_flat = cuda_ipc.flat_caches(source_caches)
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
     rows = []
     for n in sizes:
         handle = worker_pb2.KVHandle(
             handle_id=f"h{n}", backend="grpc", source_address=address,
             layout=layout_to_proto(layout), num_tokens=n * args.block_size, num_blocks=n,
-            transports=["cuda-ipc", "grpc"], cuda_ipc=export.endpoint)
+            transports=["cuda-ipc", "grpc"] if on_gpu else ["grpc"], cuda_ipc=endpoint)
+        src_ids = handles[handle.handle_id]
         dst_ids = list(range(local_blocks - 1, local_blocks - 1 - 2 * n, -2))  # scattered
         num_bytes = n * layout.bytes_per_block * len(flat)
         for backend in args.backends.split(","):
-            times = []
-            for i in range(args.warmup + args.iters):
-                if i == 0:  # the first pull of each backend lands on zeros, then is checked
+            times, cell_started, warmup = [], None, args.warmup
+            for i in range(1 + args.warmup + args.iters):
+                if i == 0:  # the first pull lands on zeroed blocks, then is checked
                     for t in flat:
                         t[dst_ids] = 0
-                torch.cuda.synchronize(device)
+                sync()
                 if backend == "cuda-ipc-copy":
                     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                     start.record()
-                    cuda_ipc.copy_blocks(check_peer.caches, flat, handles[handle.handle_id],
-                                         dst_ids, None, check_peer.stacked, stacked)
+                    cuda_ipc.copy_blocks(check_peer.caches, flat, src_ids, dst_ids, None,
+                                         check_peer.stacked, stacked)
                     end.record()
                     end.synchronize()
                     seconds = start.elapsed_time(end) / 1e3
@@ -172,22 +245,30 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
                     else:
                         _, used = await receiver.pull(channel, address, handle, dst_ids, 0, 600)
                         assert used == "cuda-ipc", used
-                    torch.cuda.synchronize(device)
+                    sync()
                     seconds = time.perf_counter() - started
                 if i == 0:
-                    src_ids = handles[handle.handle_id]
-                    for s, d in zip(check_peer.caches, flat):
-                        assert torch.equal(s[src_ids], d[dst_ids]), f"{backend}: bytes differ"
-                if i >= args.warmup:
+                    for index, (s, d) in enumerate(zip(source_flat, flat)):
+                        if not same_bytes(s[src_ids], d[dst_ids]):
+                            raise CheckFailed(
+                                f"{backend}: bytes differ ({n} blocks, layer {index // 2}, "
+                                f"{'KV'[index % 2]})")
+                    cell_started = time.perf_counter()
+                    if seconds > 0.25:  # a large handle: the checked pull warmed the path
+                        warmup = min(warmup, 1)
+                elif i > warmup:
                     times.append(seconds)
+                    if len(times) >= 3 and time.perf_counter() - cell_started > args.cell_seconds:
+                        break
             median = statistics.median(times)
-            rows.append(dict(backend=backend, blocks=n, bytes=num_bytes,
+            rows.append(dict(backend=backend, blocks=n, bytes=num_bytes, iters=len(times),
                              latency_ms=median * 1e3, p90_ms=sorted(times)[
                                  int(0.9 * (len(times) - 1))] * 1e3,
                              gbps=num_bytes / median / 1e9,
                              ratio=num_bytes / median / rate))
             print(f"  {backend:14s} {n:4d} blocks {num_bytes / 2**20:8.1f} MiB "
-                  f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.1f} GB/s", flush=True)
+                  f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.2f} GB/s (bytes checked)",
+                  flush=True)
     del receiver, check_peer
     await channel.close()
     return rows
@@ -195,16 +276,20 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    if args.device == "cuda" and (not torch.cuda.is_available()
+                                  or torch.cuda.device_count() < 2):
         print("kv_transfer: needs 2 CUDA GPUs on one host (torch sees "
               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); nothing "
-              "measured", file=sys.stderr)
+              "measured (--device cpu runs the grpc path on the host)", file=sys.stderr)
         return 2
     import torch.multiprocessing as mp
 
+    started = time.monotonic()
     sizes = sorted({int(b) for b in args.blocks.split(",")})
-    rate = copy_rate(args.copy_mib << 20, args.iters, args.warmup)
-    print(f"cuda:0 -> cuda:1 copy rate: {rate / 1e9:.1f} GB/s ({args.copy_mib} MiB tensor)")
+    rate = copy_rate(args, args.copy_mib << 20)
+    src_dev, dst_dev = ends(args)
+    print(f"{src_dev} -> {dst_dev} copy rate: {rate / 1e9:.1f} GB/s ({args.copy_mib} MiB "
+          "tensor)", flush=True)
     num_blocks = sum(sizes) * 2 + 1
     generator = torch.Generator().manual_seed(0)
     order = torch.randperm(num_blocks, generator=generator).tolist()
@@ -218,24 +303,30 @@ def main(argv=None) -> int:
     source.start()
     try:
         port = queue.get(timeout=300)
-        rows = asyncio.run(measure(args, f"127.0.0.1:{port}", handles, sizes, rate))
+        rows = asyncio.run(measure(args, f"127.0.0.1:{port}", handles, sizes, rate,
+                                   num_blocks))
+    except CheckFailed as exc:
+        print(f"kv_transfer: bit-exact check failed: {exc}", file=sys.stderr)
+        return 1
     finally:
         stop.set()
         source.join(30)
         if source.is_alive():
             source.kill()
-    print(f"\nKV transfer cuda:0 -> cuda:1, {args.layers} layers x {args.kv_heads} KV heads x "
-          f"{args.head_dim} head x block {args.block_size}, {args.dtype}; copy rate "
-          f"{rate / 1e9:.1f} GB/s; median of {args.iters}")
-    print(f"{'backend':14s} {'blocks':>6s} {'MiB':>8s} {'ms':>9s} {'p90 ms':>9s} "
+    print(f"\nKV transfer {src_dev} -> {dst_dev}, {args.layers} layers x {args.kv_heads} KV "
+          f"heads x {args.head_dim} head x block {args.block_size}, {args.dtype}; copy rate "
+          f"{rate / 1e9:.1f} GB/s; median of up to {args.iters} pulls; every handle's bytes "
+          f"checked; {time.monotonic() - started:.0f} s in all")
+    print(f"{'backend':14s} {'blocks':>6s} {'MiB':>8s} {'n':>3s} {'ms':>9s} {'p90 ms':>9s} "
           f"{'GB/s':>8s} {'x copy':>7s}")
     for r in rows:
-        print(f"{r['backend']:14s} {r['blocks']:6d} {r['bytes'] / 2**20:8.1f} "
-              f"{r['latency_ms']:9.3f} {r['p90_ms']:9.3f} {r['gbps']:8.1f} {r['ratio']:7.2f}")
+        print(f"{r['backend']:14s} {r['blocks']:6d} {r['bytes'] / 2**20:8.1f} {r['iters']:3d} "
+              f"{r['latency_ms']:9.3f} {r['p90_ms']:9.3f} {r['gbps']:8.2f} {r['ratio']:7.3f}")
     if args.out:
+        name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), copy_rate_gbps=rate / 1e9,
-                           device=torch.cuda.get_device_name(0), rows=rows), f, indent=1)
+            json.dump(dict(args=vars(args), copy_rate_gbps=rate / 1e9, device=name,
+                           rows=rows), f, indent=1)
     return 0
 
 

@@ -1,14 +1,48 @@
-"""Does tensor parallelism change the tokens of a full-size model? TP=N against TP=1, greedy.
+"""Does tensor parallelism change the tokens of a full-size model? TP=N against TP=1, bf16.
 
-    python -m tandem.bench.tp_check --tp 2 --model llama3-8b --prompts 4 --tokens 32
+    python -m tandem.bench.tp_check                       # 2 GPUs, Llama-3-8B shape, < 2 min
+    python -m tandem.bench.tp_check --device cpu --model tiny --lengths 16,60   # CPU, gloo
 
-Writes a real bf16 checkpoint of the shape first (transformers' random init on the GPU,
-save_pretrained to --workdir: 16 GB for llama3-8b), so both runs load identical weights (the
-engine's load_format="dummy" draws each rank's shard separately and would not). Then each
-prompt's first --tokens greedy tokens under TP=1 and TP=N are compared; in bf16 the all-reduce
-adds partial sums in a different order than one matmul, so a token may legitimately flip where
-the top two logits nearly tie: the table shows the first differing step and the TP=1 margin
-(top-1 minus top-2 log-probability) there.
+Both runs load one checkpoint written here first (transformers' random init on the device,
+reshaped as below, save_pretrained to --workdir: 16 GB for llama3-8b): load_format="dummy"
+draws each rank's shard separately and would not give both runs the same weights.
+
+Two comparisons per prompt (--lengths, random token ids):
+  free-running     TP=1 and TP=N each generate --tokens greedy tokens; the first position where
+                   they differ, and TP=1's top-1 minus top-2 logit margin there.
+  teacher-forced   the TP=1 sequence is scored under both: one request per position k with the
+                   prompt + TP=1's first k tokens (prefix caching off, so each is a fresh
+                   prefill; max_tokens 1, top-20 logprobs). TP=N's argmax is compared with
+                   TP=1's greedy token at every position (a TP=N flip no longer derails the
+                   rest), and with TP=1's argmax under the same prefill scoring. For each
+                   mismatch the TP=1 margin is printed. |dlogp| is the largest difference of a
+                   top-20 log-probability between TP=1 and TP=N over all positions.
+
+Why reshape the weights (--weights peaked, default): with transformers' random init the
+logits over the 128k vocabulary are nearly flat (std ~1.3), so the top two often differ by one
+or two bf16 roundings (0.03-0.09 nats) and any change in summation order flips them: the last
+run with such weights had 0/4 prompts identical, each first difference at such a near-tie.
+That says nothing about TP. The peaked construction, deterministic (seed 0) and made on the
+device in seconds:
+  * every layer (attention, MLP, norms) keeps transformers' init, so all TP-sharded parts run
+    at full shape: column-parallel q/k/v/gate/up, row-parallel o/down with their all-reduces,
+    vocab-parallel embedding and lm_head;
+  * the embedding is rescaled so that each token's own embedding direction keeps a share rho
+    of the final residual stream (cosine of h_L with e_x, measured on a calibration prompt;
+    default rho = 2.5 sqrt(2 ln V / D), 0.19 for Llama-3-8B): the 32 layers write the rest,
+    ~96% of the residual's energy;
+  * lm_head row perm[x] = c * e_x / rms(e_x) for a fixed random permutation perm, c chosen so
+    the self term is ~16 nats: the next token after x is perm[x] by a wide margin (the layers'
+    part of the residual adds ~N(0, (16 / (rho sqrt(D)))^2) to every logit, whose maximum
+    over the vocabulary stays well below), and tokens walk through perm's cycles.
+So the greedy tokens are robust to rounding by construction, and token identity alone would
+not catch a TP bug that only perturbs the layers' output. The layers' output still sets most of
+every logit except the top one: the calibration line prints the share of the logit vector's
+variance that the layers contribute and how far removing all layers moves the top-20 logprobs;
+|dlogp| between TP=1 and TP=N must stay far below that for the check to pass (a TP bug in any
+sharded part shows there even where the argmax holds). --weights random keeps the plain init
+(near-flat logits) for comparison. Exit code 0 only when every free-running and teacher-forced
+token agrees and |dlogp| < 10% of the layers' effect.
 """
 from __future__ import annotations
 
@@ -23,71 +57,266 @@ import torch
 
 from tandem.bench.engine_models import MODELS, write_model_dir
 
+TOP_K = 20
+TARGET_LOGIT = 16.0
+SKIP = 16  # calibration positions before this one are left out (no prompt is that short)
 
-def write_checkpoint(name: str, root: Path) -> Path:
+
+def tiny_config():
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=2047,
+                       architectures=["LlamaForCausalLM"], dtype="bfloat16")
+
+
+@torch.no_grad()
+def residuals(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding output e, final residual h before the last norm), fp32, [T, D]."""
+    seen = {}
+    hooks = [model.model.embed_tokens.register_forward_hook(
+                 lambda m, i, o: seen.__setitem__("e", o)),
+             model.model.norm.register_forward_pre_hook(
+                 lambda m, i: seen.__setitem__("h", i[0]))]
+    try:
+        model(ids[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["e"][0].float(), seen["h"][0].float()
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    return x.pow(2).mean(-1).sqrt()
+
+
+@torch.no_grad()
+def peak_weights(model, rho: float, ids: torch.Tensor, seed: int = 0) -> None:
+    """The peaked construction of the module docstring, in place."""
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert emb.data_ptr() != head.data_ptr(), "needs an untied lm_head"
+    for _ in range(8):  # the layers' output depends on the embedding scale: iterate
+        e, h = residuals(model, ids)
+        cos = torch.nn.functional.cosine_similarity(e, h, dim=-1)[SKIP:].quantile(0.05).item()
+        if abs(cos - rho) < 0.01:
+            break
+        # e and h - e orthogonal: cot(angle) = |e| / |h - e| grows with the scale
+        emb.mul_((rho / math.sqrt(1 - rho**2)) / (max(cos, 1e-6) / math.sqrt(1 - cos**2)))
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(emb.shape[0], generator=gen).to(emb.device)
+    c = TARGET_LOGIT / (emb.shape[1] * rho)
+    for start in range(0, emb.shape[0], 16384):  # in slices: no fp32 copy of the whole table
+        rows = emb[start:start + 16384].float()
+        head.index_copy_(0, perm[start:start + 16384],
+                         (c * rows / rms(rows)[:, None]).to(head.dtype))
+    model.perm = perm
+
+
+@torch.no_grad()
+def calibration(model, ids: torch.Tensor) -> dict:
+    """How much the layers contribute, on a prompt: residual and logit level."""
+    e, h = (x[SKIP:] for x in residuals(model, ids))
+    ids = ids[SKIP:]
+    norm, head = model.model.norm, model.lm_head
+    full = torch.log_softmax(head(norm(h.to(head.weight.dtype))).float(), -1)
+    bare = torch.log_softmax(head(norm(e.to(head.weight.dtype))).float(), -1)
+    top2 = full.topk(2, dim=-1)
+    top = full.topk(TOP_K, dim=-1).indices
+    centred = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731
+    cos = torch.nn.functional.cosine_similarity(e, h, dim=-1)
+    return dict(
+        cos=cos.median().item(), cos_p5=cos.quantile(0.05).item(),
+        layers_norm=(rms(h - e) / rms(h)).median().item(),
+        logit_var_from_layers=(centred(full - bare).pow(2).sum(-1)
+                               / centred(full).pow(2).sum(-1)).median().item(),
+        layers_dlogp=(full.gather(-1, top) - bare.gather(-1, top)).abs().amax(-1)
+        .median().item(),
+        margin_median=(top2.values[:, 0] - top2.values[:, 1]).median().item(),
+        margin_min=(top2.values[:, 0] - top2.values[:, 1]).min().item(),
+        top1_is_perm=(top2.indices[:, 0] == model.perm[ids]).float().mean().item()
+        if hasattr(model, "perm") else float("nan"))
+
+
+def write_checkpoint(args, root: Path) -> tuple[Path, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = write_model_dir(name, root)
     started = time.monotonic()
+    if args.model == "tiny":
+        path = root / "tiny"
+        tiny_config().save_pretrained(path)
+    else:
+        path = write_model_dir(args.model, root)
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.eval()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, config.vocab_size, (256,), generator=gen).to(args.device)
+    dim, vocab = config.hidden_size, config.vocab_size
+    rho = args.rho or min(0.9, 2.5 * math.sqrt(2 * math.log(vocab) / dim))
+    if args.weights == "peaked":
+        peak_weights(model, rho, ids)
+    report = calibration(model, ids)
+    report["rho_target"] = rho if args.weights == "peaked" else None
     model.save_pretrained(path, max_shard_size="4GB")
     del model
-    torch.cuda.empty_cache()
-    print(f"wrote {name} to {path} in {time.monotonic() - started:.0f} s", flush=True)
-    return path
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    report["seconds"] = time.monotonic() - started
+    return path, report
 
 
-def greedy(path: Path, tp: int, prompts: list[list[int]], tokens: int):
+def run_engine(path: Path, tp: int, prompts: list[list[int]], args,
+               teacher: list[list[int]] | None = None):
+    """Free-running greedy outputs, then each sequence prompt + teacher[i][:k] scored."""
     from tandem import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens, logprobs=2)
-    with LLM(path, dtype="bfloat16", tensor_parallel_size=tp, max_model_len=2048,
-             kernels="auto") as llm:
-        outs = llm.generate(prompts, params)
-    torch.cuda.empty_cache()
-    return outs
+    free = SamplingParams(temperature=0, max_tokens=args.tokens, min_tokens=args.tokens,
+                          logprobs=TOP_K)
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=TOP_K)
+    started = time.monotonic()
+    with LLM(path, dtype=args.dtype, device=args.device, tensor_parallel_size=tp,
+             max_model_len=max(args.length_list) + args.tokens + 16,
+             kernels="torch" if args.device == "cpu" else "auto",
+             enable_prefix_caching=False) as llm:
+        ready = time.monotonic()
+        outs = llm.generate(prompts, free)
+        teacher = teacher or [o.token_ids for o in outs]
+        seqs = [p + t[:k] for p, t in zip(prompts, teacher) for k in range(args.tokens)]
+        scored = llm.generate(seqs, one)
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    n = args.tokens
+    scored = [[s.logprobs[0] for s in scored[i * n:(i + 1) * n]] for i in range(len(prompts))]
+    print(f"TP={tp}: engine ready in {ready - started:.0f} s, generate + score "
+          f"{len(seqs)} sequences in {time.monotonic() - ready:.0f} s", flush=True)
+    return outs, scored
+
+
+def margin(logprob) -> float:
+    top = [lp for _, lp in logprob.top_logprobs]
+    return top[0] - top[1] if len(top) >= 2 else float("nan")
+
+
+def max_dlogp(a, b) -> float:
+    """Largest |logprob difference| over the tokens in both top-20 lists."""
+    other = dict(b.top_logprobs)
+    return max((abs(lp - other[t]) for t, lp in a.top_logprobs if t in other), default=0.0)
+
+
+def compare(prompts, one, one_scored, many, many_scored, tp: int) -> tuple[list, list[str]]:
+    rows, details = [], []
+    for i, prompt in enumerate(prompts):
+        a, b = one[i].token_ids, many[i].token_ids
+        diff = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        tf_greedy = tf_scored = 0
+        for k, (s1, sn) in enumerate(zip(one_scored[i], many_scored[i])):
+            tf_greedy += sn.token_id == a[k]
+            tf_scored += sn.token_id == s1.token_id
+            if sn.token_id != a[k] or sn.token_id != s1.token_id:
+                details.append(f"  prompt {len(prompt)}, position {k}: TP=1 greedy {a[k]} "
+                               f"(margin {margin(one[i].logprobs[k]):.3f}), TP=1 scored "
+                               f"{s1.token_id} (margin {margin(s1):.3f}), TP={tp} scored "
+                               f"{sn.token_id}")
+        rows.append(dict(
+            length=len(prompt), identical=diff is None, first_diff=diff,
+            margin_at_diff=None if diff is None else margin(one[i].logprobs[diff]),
+            tf_greedy=tf_greedy, tf_scored=tf_scored, n=len(one_scored[i]),
+            min_margin=min(margin(lp) for lp in one[i].logprobs),
+            dlogp=max(max_dlogp(x, y) for x, y in zip(one_scored[i], many_scored[i]))))
+    return rows, details
+
+
+def format_table(rows: list[dict], tokens: int, tp: int) -> str:
+    lines = [f"{'prompt':>6} {'identical':>9} {'first diff':>10} {'margin there':>12} "
+             f"{'TF vs greedy':>12} {'TF vs scored':>12} {'min margin':>10} {'|dlogp|':>8}"]
+    for r in rows:
+        there = "-" if r["margin_at_diff"] is None else f"{r['margin_at_diff']:.3f}"
+        lines.append(
+            f"{r['length']:>6} {'yes' if r['identical'] else 'no':>9} "
+            f"{'-' if r['first_diff'] is None else r['first_diff']:>10} {there:>12} "
+            f"{r['tf_greedy']:>5}/{r['n']:<6} {r['tf_scored']:>5}/{r['n']:<6} "
+            f"{r['min_margin']:>10.3f} {r['dlogp']:>8.4f}")
+    return "\n".join(lines)
+
+
+def calibration_line(args, cal: dict) -> str:
+    target = "" if cal["rho_target"] is None else f" (target {cal['rho_target']:.3f})"
+    return (f"wrote {args.model} ({args.weights} weights) in {cal['seconds']:.0f} s. On a "
+            f"calibration prompt: cos(e_x, h_L) median {cal['cos']:.3f}, 5th percentile "
+            f"{cal['cos_p5']:.3f}{target}; the layers' part |h_L - e_x| / |h_L| median "
+            f"{cal['layers_norm']:.3f}; they set {cal['logit_var_from_layers']:.0%} of the logit "
+            f"vector's variance; removing every layer moves the top-{TOP_K} logprobs by "
+            f"{cal['layers_dlogp']:.2f} (median); top-1 margin median "
+            f"{cal['margin_median']:.2f}, min {cal['margin_min']:.3f}; top-1 = perm[x] at "
+            f"{cal['top1_is_perm']:.0%} of positions")
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, min(vocab_size - 1, 32000), (n,), generator=gen).tolist()
+            for n in args.length_list]
+
+
+def check(args, path: Path, cal: dict, prompts: list[list[int]], many_path: Path | None = None,
+          many_tp: int | None = None) -> tuple[bool, list[dict]]:
+    """TP=1 on `path` against TP=many_tp (default args.tp) on many_path (default `path`);
+    prints the table and the verdict."""
+    many_tp = many_tp or args.tp
+    one, one_scored = run_engine(path, 1, prompts, args)
+    many, many_scored = run_engine(many_path or path, many_tp, prompts, args,
+                                   teacher=[o.token_ids for o in one])
+    rows, details = compare(prompts, one, one_scored, many, many_scored, many_tp)
+    print(f"\nTP={many_tp} vs TP=1, {args.model} ({args.weights} weights), {args.dtype}, first "
+          f"{args.tokens} tokens; margin: TP=1's top-1 minus top-2 logprob (nats); TF: "
+          f"teacher-forced argmax agreement with TP=1's greedy tokens / TP=1's scored argmax")
+    print(format_table(rows, args.tokens, many_tp))
+    print("\n".join(details) or "no teacher-forced mismatch")
+    dlogp = max(r["dlogp"] for r in rows)
+    ok = (all(r["identical"] and r["tf_greedy"] == r["n"] == r["tf_scored"] for r in rows)
+          and dlogp < 0.1 * cal["layers_dlogp"])
+    print(f"{'PASS' if ok else 'FAIL'}: {sum(r['identical'] for r in rows)}/{len(rows)} prompts "
+          f"identical for {args.tokens} tokens; teacher-forced "
+          f"{sum(r['tf_greedy'] for r in rows)}/{sum(r['n'] for r in rows)}; |dlogp| {dlogp:.4f}"
+          f" (limit 10% of {cal['layers_dlogp']:.2f}, removing every layer)", flush=True)
+    return ok, rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tandem.bench.tp_check",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3-8b", choices=sorted([*MODELS, "tiny"]))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="peaked", choices=("peaked", "random"))
+    parser.add_argument("--rho", type=float, help="embedding share of the final residual "
+                        "(cosine, 5th percentile); default 2.5 sqrt(2 ln V / D)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--lengths", default="16,100,400,1000", help="prompt lengths")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--workdir", type=Path, help="where the checkpoint is written")
+    args = parser.parse_args(argv)
+    args.length_list = [int(n) for n in args.lengths.split(",")]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem.bench.tp_check")
-    parser.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--workdir", type=Path)
-    args = parser.parse_args(argv)
-    if torch.cuda.device_count() < args.tp:
+    args = parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
         print(f"needs {args.tp} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
-        path = write_checkpoint(args.model, Path(root))
-        gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, 32000, (n,), generator=gen).tolist()
-                   for n in (16, 100, 400, 1000)[:args.prompts]]
-        one = greedy(path, 1, prompts, args.tokens)
-        many = greedy(path, args.tp, prompts, args.tokens)
-    same = 0
-    print(f"{'prompt':>7} {'identical':>9} {'first diff':>10} {'TP=1 margin there':>18}")
-    for prompt, a, b in zip(prompts, one, many):
-        diff = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                    None)
-        same += diff is None
-        margin = ""
-        if diff is not None:
-            top = [logprob for _, logprob in a.logprobs[diff].top_logprobs]
-            margin = f"{top[0] - top[1]:.3f}" if len(top) >= 2 else "?"
-        print(f"{len(prompt):>7} {str(diff is None):>9} {str(diff):>10} {margin:>18}")
-    # The first generated token has the same prefix in both runs: compare its distribution.
-    first = [abs(dict(a.logprobs[0].top_logprobs).get(t, float("nan")) - lp)
-             for a, b in zip(one, many) for t, lp in b.logprobs[0].top_logprobs]
-    worst = max((d for d in first if not math.isnan(d)), default=float("nan"))
-    print(f"TP={args.tp} vs TP=1, {args.model}, bf16: {same}/{len(prompts)} prompts give "
-          f"identical first {args.tokens} tokens; first-token top-2 log-probabilities differ "
-          f"by at most {worst:.4f} ({sum(map(math.isnan, first))} not in the other's top-2)")
-    return 0
+        path, cal = write_checkpoint(args, Path(root))
+        print(calibration_line(args, cal), flush=True)
+        from transformers import AutoConfig
+
+        prompts = make_prompts(args, AutoConfig.from_pretrained(path).vocab_size)
+        ok, _ = check(args, path, cal, prompts)
+    print(f"tp_check: {time.monotonic() - started:.0f} s in all")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""bench/disagg.py: goodput under an SLO and the disaggregated/aggregated comparison on
-hand-built records, and the whole script end to end on CPU (--cpu-smoke: a tiny
-transformers-built checkpoint, real router and worker processes for both layouts)."""
+"""bench/disagg.py: SLO attainment, goodput and the adaptive rate sweep on hand-built runs, the
+report, and the whole script end to end on CPU (--cpu-smoke: a tiny transformers-built
+checkpoint, real router and worker processes for both layouts)."""
 from __future__ import annotations
 
 import json
@@ -8,90 +8,128 @@ import math
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from tandem.bench.disagg import (compare_runs, format_report, goodput_ratio, layout_workers,
-                                 run_row)
+from tandem.bench.disagg import DEFAULTS, build_parser, layout_workers, resolve
+from tandem.bench.disagg_report import format_report, run_row, summarize
+from tandem.bench.disagg_sweep import (RatePoint, RateSweep, attainment, goodput, ratio,
+                                       samples_of)
 from tandem.bench.records import RequestRecord
 from tandem.bench.report import compute_stats
 
 
-def record(index, start, token_times, error=None):
+def record(index, start, token_times, error=None, warmup=False):
     """A finished request whose tokens (one per chunk) arrive at `token_times`."""
-    rec = RequestRecord(index=index, start_s=start, num_prompt_tokens=10, error_code=error)
+    rec = RequestRecord(index=index, start_s=start, num_prompt_tokens=10, error_code=error,
+                        is_warmup=warmup)
     for arrival in token_times:
         rec.add_chunk(arrival, 1)
     rec.end_s = (token_times[-1] if token_times else start) + 0.01
     return rec
 
 
-def slo_records():
-    """Window 0 .. 9.01 s. SLO TTFT <= 1 s, TPOT <= 0.1 s:
-    0: TTFT 0.5, TPOT 0.1 (both exactly met or under)  -> good
-    1: TTFT 1.0 exactly, TPOT 0.05                      -> good (the bound is inclusive)
-    2: TTFT 1.5                                         -> misses TTFT
-    3: TTFT 0.2, TPOT 0.2                               -> misses TPOT
-    4: one token, TTFT 0.3 (no TPOT)                    -> good
-    5: failed after a fast first token                  -> not counted
-    6: TTFT 0.1, TPOT 0.1 exactly, ends last at 9.01    -> good"""
-    return [
-        record(0, 0.0, [0.5, 0.6, 0.7]),
-        record(1, 1.0, [2.0, 2.05, 2.1]),
-        record(2, 2.0, [3.5, 3.6]),
-        record(3, 3.0, [3.2, 3.4, 3.6]),
-        record(4, 4.0, [4.3]),
-        record(5, 5.0, [5.1], error="UNAVAILABLE"),
-        record(6, 8.7, [8.8, 8.9, 9.0]),
-    ]
+def test_attainment_counts_successful_requests_meeting_both_slos():
+    records = [record(0, 0.0, [0.5, 0.6, 0.7]),  # TTFT 0.5, TPOT 0.1: good
+               record(1, 1.0, [2.0, 2.05]),  # TTFT 1.0 exactly: good (inclusive)
+               record(2, 2.0, [3.5, 3.6]),  # misses TTFT
+               record(3, 3.0, [3.2, 3.4, 3.6]),  # misses TPOT (0.2)
+               record(4, 4.0, [4.3]),  # one token: no TPOT, good
+               record(5, 5.0, [5.1], error="UNAVAILABLE"),  # failed: a miss
+               record(6, 0.0, [9.0], warmup=True)]  # warm-up: not counted
+    samples = samples_of(records)
+    assert len(samples) == 6
+    assert attainment(samples, 1.0, 0.1) == pytest.approx(3 / 6)
+    assert attainment(samples, 2.0, 0.2) == pytest.approx(5 / 6)
+    assert attainment([], 1.0, 0.1) == 0.0
 
 
-def test_goodput_counts_requests_meeting_both_slos_over_the_window():
-    row = run_row(compute_stats(slo_records(), slo_ttft_s=1.0, slo_tpot_s=0.1))
-    assert row["num_good"] == 4 and row["num_ok"] == 6 and row["num_errors"] == 1
-    assert row["goodput"] == pytest.approx(4 / 9.01)
-    assert row["request_throughput"] == pytest.approx(6 / 9.01)
-    assert row["ttft_ms"]["p50"] == pytest.approx(400.0)  # TTFTs 100 200 300 500 1000 1500
-    assert row["tpot_ms"]["p50"] == pytest.approx(100.0)  # TPOTs 50 100 100 100 200
+def point(rate, fraction_good, n=20):
+    """A run at `rate` where `fraction_good` of n requests have TPOT 10 ms, the rest 40 ms."""
+    good = round(fraction_good * n)
+    return RatePoint(rate, [(0.1, 0.01 if i < good else 0.04, True) for i in range(n)])
 
 
-def test_a_tighter_slo_lowers_goodput():
-    loose = run_row(compute_stats(slo_records(), slo_ttft_s=2.0, slo_tpot_s=0.2))
-    tight = run_row(compute_stats(slo_records(), slo_ttft_s=0.4, slo_tpot_s=0.1))
-    assert loose["num_good"] == 6  # every successful request
-    assert tight["num_good"] == 2  # requests 4 and 6
+def test_goodput_interpolates_between_last_pass_and_first_fail():
+    runs = [point(4, 1.0), point(8, 0.95), point(12, 0.7), point(16, 0.95)]
+    result = goodput(runs, 1.0, 0.02)  # the pass at 16 comes after the first fail: ignored
+    assert result.kind == "bracketed" and (result.passing, result.failing) == (8, 12)
+    assert result.value == pytest.approx(8 + (0.95 - 0.9) / (0.95 - 0.7) * 4)
+    assert goodput(runs, 1.0, 0.05).kind == "at least"  # every run meets a 50 ms TPOT
+    assert goodput(runs, 1.0, 0.05).value == 16
+    below = goodput([point(4, 0.5)], 1.0, 0.02)
+    assert below.kind == "below" and below.value is None and str(below) == "<4.00"
+    assert goodput([], 1.0, 0.02).kind == "none"
 
 
-def test_goodput_ratio():
-    assert goodput_ratio(3.0, 2.0) == pytest.approx(1.5)
-    assert goodput_ratio(0.0, 2.0) == 0.0
-    assert goodput_ratio(1.0, 0.0) is None
-    assert goodput_ratio(None, 2.0) is None
+def test_ratio_marks_bounds():
+    bracketed = goodput([point(4, 1.0), point(8, 0.5)], 1.0, 0.02)
+    at_least = goodput([point(4, 1.0), point(8, 1.0)], 1.0, 0.02)
+    below = goodput([point(4, 0.0)], 1.0, 0.02)
+    assert ratio(bracketed, bracketed) == "1.00x"
+    assert ratio(at_least, bracketed).startswith(">=")
+    assert ratio(bracketed, at_least).startswith("<=")
+    assert ratio(below, bracketed).startswith("<")
+    assert ratio(bracketed, below).startswith(">")
 
 
-def _row(goodput):
-    row = run_row(compute_stats(slo_records(), slo_ttft_s=1.0, slo_tpot_s=0.1))
-    return {**row, "goodput": goodput}
+def test_sweep_climbs_until_a_failure_then_refines_once():
+    capacity = 20.0  # a fake system: runs pass below this rate
+    sweep = RateSweep(start=4, factor=2.0, stop_slo=(1.0, 0.02))
+    points, rates = [], []
+    while (rate := sweep.next_rate(points)) is not None:
+        rates.append(rate)
+        points.append(point(rate, 1.0 if rate < capacity else 0.5))
+    assert rates == [4, 8, 16, 32, pytest.approx(math.sqrt(16 * 32))]
+    result = goodput(points, 1.0, 0.02)
+    assert result.passing == 16 and result.failing == pytest.approx(math.sqrt(16 * 32))
 
 
-def test_compare_runs_gives_the_ratio_per_rate_and_at_each_layouts_best_rate():
-    runs = [{"layout": "disaggregated", "mix": "prefill-heavy", "rate": 2.0, "row": _row(1.8)},
-            {"layout": "aggregated", "mix": "prefill-heavy", "rate": 2.0, "row": _row(1.2)},
-            {"layout": "disaggregated", "mix": "prefill-heavy", "rate": 4.0, "row": _row(2.0)},
-            {"layout": "aggregated", "mix": "prefill-heavy", "rate": 4.0, "row": _row(0.0)},
-            {"layout": "disaggregated", "mix": "decode-heavy", "rate": 4.0, "row": _row(1.0)},
-            {"layout": "aggregated", "mix": "decode-heavy", "rate": 4.0, "row": _row(4.0)}]
-    comparison = compare_runs(runs)
-    prefill = comparison["prefill-heavy"]
-    assert prefill["goodput_ratio_by_rate"] == {"2": pytest.approx(1.5), "4": None}
-    assert prefill["best_goodput"] == {"disaggregated": 2.0, "aggregated": 1.2}
-    assert prefill["goodput_ratio_best"] == pytest.approx(2.0 / 1.2)
-    assert comparison["decode-heavy"]["goodput_ratio_best"] == pytest.approx(0.25)
-    table = format_report({"model": "m", "config": {"devices": "cuda:0,cuda:1",
-                                                     "slo_ttft": 1.0, "slo_tpot": 0.1},
-                           "runs": runs, "comparison": comparison})
-    assert "prefill-heavy: best rate 1.67x (2 req/s: 1.50x, 4 req/s: n/a)" in table
-    assert "decode-heavy: best rate 0.25x" in table
+def test_sweep_steps_down_when_the_first_rate_fails_and_stops_at_its_floor():
+    sweep = RateSweep(start=8, factor=2.0, stop_slo=(1.0, 0.02))
+    points, rates = [], []
+    while (rate := sweep.next_rate(points)) is not None:
+        rates.append(rate)
+        points.append(point(rate, 0.0))
+    assert rates == [8, 4, 2]
+
+
+def _args(**overrides):
+    args = SimpleNamespace(slo_ttft=1.0, slo_tpot=0.02, tpot_list=[0.02, 0.05],
+                           attainment=0.9)
+    args.__dict__.update(overrides)
+    return args
+
+
+def _run(layout, mix, rate, fraction_good):
+    samples = point(rate, fraction_good).samples
+    row = run_row(compute_stats([record(0, 0.0, [0.5, 0.6])], slo_ttft_s=1.0, slo_tpot_s=0.1))
+    row.update(attainment=fraction_good, seconds=1.0, router_cpu=0.5, client_cpu=0.2)
+    return {"layout": layout, "mix": mix, "rate": rate, "row": row, "samples": samples}
+
+
+def test_summary_and_report_give_goodput_and_ratio_per_tpot_slo():
+    runs = [_run("disaggregated", "prefill-heavy", 4, 1.0),
+            _run("disaggregated", "prefill-heavy", 8, 1.0),
+            _run("disaggregated", "prefill-heavy", 16, 0.5),
+            _run("aggregated", "prefill-heavy", 4, 1.0),
+            _run("aggregated", "prefill-heavy", 8, 0.5)]
+    args = _args()
+    summary = summarize(runs, args)
+    entry = summary["prefill-heavy"]["by_tpot_slo"]["0.02"]
+    assert entry["disaggregated"]["req_per_s"] == pytest.approx(8 + 0.1 / 0.5 * 8)
+    assert entry["aggregated"]["req_per_s"] == pytest.approx(4 + 0.1 / 0.5 * 4)
+    assert entry["ratio"] == "2.00x"
+    assert summary["prefill-heavy"]["by_tpot_slo"]["0.05"]["ratio"] == "?"  # both ">=" 
+    table = format_report({"model": "m", "runs": runs, "summary": summary,
+                           "config": {"devices": "cuda:0,cuda:1", "slo_ttft": 1.0,
+                                      "slo_tpot": 0.02, "attainment": 0.9},
+                           "phases": [("model folder", 1.0), ("disaggregated: start", 20.0)]})
+    assert "prefill-heavy      20ms           9.60        4.80       2.00x <- --slo-tpot" in table
+    assert "prefill-heavy      50ms        >=16.00      >=8.00           ?" in table
+    assert "phases (21 s in all): model folder 1 s; disaggregated: start 20 s" in table
+    assert "   50%" in table  # the router's CPU share
 
 
 def test_layouts_use_the_same_two_devices():
@@ -101,16 +139,29 @@ def test_layouts_use_the_same_two_devices():
                                                                  ("both", "cuda:1")]
 
 
+def test_presets_and_explicit_flags():
+    quick = resolve(build_parser().parse_args(["--quick", "--run-seconds", "5"]))
+    assert quick.preset == "quick" and quick.run_seconds == 5.0
+    assert quick.sweep_seconds == DEFAULTS["quick"]["sweep_seconds"]
+    assert quick.tpot_list == [0.01, 0.015, 0.025, 0.05]
+    fixed = resolve(build_parser().parse_args(["--prefill-heavy-rates", "2,4",
+                                               "--slo-tpot", "0.03"]))
+    assert fixed.mix_rates == {"prefill-heavy": [2.0, 4.0], "decode-heavy": None}
+    assert 0.03 in fixed.tpot_list
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quick", "--cpu-smoke"])
+
+
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @pytest.mark.slow
-def test_cpu_smoke_runs_both_layouts_and_mixes_end_to_end(tmp_path):
+def test_cpu_smoke_sweeps_both_layouts_and_mixes_end_to_end(tmp_path):
     out = tmp_path / "disagg.json"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tandem.bench.disagg", "--cpu-smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=240)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -119,16 +170,19 @@ def test_cpu_smoke_runs_both_layouts_and_mixes_end_to_end(tmp_path):
                      for mix in ("prefill-heavy", "decode-heavy")}
     for run in result["runs"]:
         row = run["row"]
-        assert row["num_errors"] == 0 and row["num_ok"] == 3, run
-        for key in ("ttft_ms", "tpot_ms"):
-            assert all(_finite(row[key][p]) for p in ("p50", "p90", "p99")), run
-        for key in ("request_throughput", "output_token_throughput", "goodput"):
-            assert _finite(row[key]) and row[key] > 0, run
-        # Every request ran to its max_tokens: the smoke mixes' output lengths.
-        low, high = (2, 3) if run["mix"] == "prefill-heavy" else (10, 16)
-        assert 3 * low <= run["stats"]["total_output_tokens"] <= 3 * high
+        assert row["num_ok"] + row["num_errors"] == row["num_requests"] >= 4, run
+        assert len(run["samples"]) == row["num_requests"]
+        assert _finite(row["seconds"]) and 0 <= row["attainment"] <= 1
+        if row["num_errors"] == 0:
+            # Every request ran to its max_tokens: the smoke mixes' output lengths.
+            low, high = (2, 3) if run["mix"] == "prefill-heavy" else (10, 16)
+            total = run["stats"]["total_output_tokens"]
+            assert row["num_ok"] * low <= total <= row["num_ok"] * high
+    for layout in ("disaggregated", "aggregated"):  # the sweep ran more than one rate
+        assert len({r["rate"] for r in result["runs"] if r["layout"] == layout}) >= 2
     for mix in ("prefill-heavy", "decode-heavy"):
-        assert _finite(result["comparison"][mix]["goodput_ratio_best"])
+        assert set(result["summary"][mix]["by_tpot_slo"]) == {"0.01", "0.015", "0.025",
+                                                              "0.05"}
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1].startswith("=====") and "goodput disaggregated/aggregated" in lines[-2]
-    print(f"cpu smoke took {elapsed:.1f} s")  # the brief: < 60 s on an idle 2-core machine
+    assert lines[-1].startswith("=====") and lines[-2].startswith("phases (")
+    print(f"cpu smoke took {elapsed:.1f} s")

@@ -1,0 +1,131 @@
+"""The rate sweep of bench/disagg.py: SLO attainment, goodput, and which rate to run next.
+
+Definitions (the "SLO attainment" goodput of DistServe, OSDI '24):
+  attainment(rate)  the fraction of a run's measured requests that succeeded with
+                    TTFT <= slo_ttft and TPOT <= slo_tpot (failed requests count as misses;
+                    a one-token request has no TPOT and meets that part).
+  goodput           the highest Poisson rate whose run attains >= `target` (0.9): sweeping the
+                    rates in increasing order, the last passing rate below the first failing
+                    one, linearly interpolated in attainment between the two (so a coarse rate
+                    grid does not quantize the ratio). No failing rate: goodput >= the highest
+                    rate run ("at least"); no passing rate: < the lowest ("below").
+
+The sweep (RateSweep) is adaptive: it starts at `start` and multiplies the rate by `factor`
+while runs pass the stop SLO, then refines the bracket once at its geometric mean; if the
+first run fails it steps down (twice at most). The stop SLO is the loosest of the SLOs the
+report uses, so every one of them gets its bracket from the same runs. The caller also stops
+when its time allowance would be exceeded, and the goodput of an SLO whose failure was not
+reached is then a lower bound.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Goodput", "RatePoint", "RateSweep", "attainment", "goodput", "samples_of"]
+
+
+@dataclass(slots=True)
+class RatePoint:
+    """One run: its rate and, per measured request, (ttft_s, tpot_s, ok)."""
+    rate: float
+    samples: list[tuple[float | None, float | None, bool]]
+    seconds: float = 0.0
+
+
+def samples_of(records) -> list[tuple[float | None, float | None, bool]]:
+    """(ttft_s, tpot_s, ok) of each measured request (bench/records.py RequestRecords)."""
+    return [(r.ttft_s, r.tpot_s, r.is_ok) for r in records if not r.is_warmup]
+
+
+def attainment(samples: Sequence[tuple], slo_ttft_s: float, slo_tpot_s: float) -> float:
+    if not samples:
+        return 0.0
+    good = sum(ok and ttft is not None and ttft <= slo_ttft_s
+               and (tpot is None or tpot <= slo_tpot_s) for ttft, tpot, ok in samples)
+    return good / len(samples)
+
+
+@dataclass(frozen=True, slots=True)
+class Goodput:
+    value: float | None  # req/s; None when no rate passed
+    kind: str  # "bracketed" | "at least" | "below" | "none" (no runs)
+    passing: float | None = None  # the highest passing rate below the first failing one
+    failing: float | None = None  # the first failing rate
+
+    def __str__(self) -> str:
+        if self.kind == "bracketed":
+            return f"{self.value:.2f}"
+        if self.kind == "at least":
+            return f">={self.value:.2f}"
+        if self.kind == "below":
+            return f"<{self.failing:.2f}"
+        return "n/a"
+
+
+def goodput(points: Sequence[RatePoint], slo_ttft_s: float, slo_tpot_s: float,
+            target: float = 0.9) -> Goodput:
+    """The module docstring's goodput over the runs in `points` (any order)."""
+    if not points:
+        return Goodput(None, "none")
+    ordered = sorted(points, key=lambda p: p.rate)
+    passing = None
+    for point in ordered:
+        value = attainment(point.samples, slo_ttft_s, slo_tpot_s)
+        if value >= target:
+            passing = (point.rate, value)
+            continue
+        if passing is None:
+            return Goodput(None, "below", None, point.rate)
+        (low, a_low), (high, a_high) = passing, (point.rate, value)
+        rate = low + (a_low - target) / (a_low - a_high) * (high - low)
+        return Goodput(rate, "bracketed", low, high)
+    return Goodput(passing[0], "at least", passing[0], None)
+
+
+def ratio(a: Goodput, b: Goodput) -> str:
+    """a / b as text, marking bounds: '>=1.52x', '<=0.8x', '?' when unknown."""
+    if a.value is None and b.value is None:
+        return "?"
+    if a.value is None:
+        return "<" + (f"{a.failing / b.value:.2f}x" if b.value else "?")
+    if b.value is None:
+        return ">" + (f"{a.value / b.failing:.2f}x" if b.failing else "?")
+    text = f"{a.value / b.value:.2f}x"
+    lower, upper = a.kind == "at least", b.kind == "at least"
+    if lower and upper:
+        return "?"  # two lower bounds: no saturation reached for either
+    return (">=" if lower else "<=" if upper else "") + text
+
+
+@dataclass
+class RateSweep:
+    """Which rate to run next, given the runs so far (see the module docstring)."""
+    start: float
+    factor: float = 1.5
+    stop_slo: tuple[float, float] = (2.0, 0.05)  # (ttft, tpot) seconds: the loosest reported
+    target: float = 0.9
+    max_rate: float = 1000.0
+    max_steps_down: int = 2
+    _refined: bool = field(default=False, init=False)
+
+    def next_rate(self, points: Sequence[RatePoint]) -> float | None:
+        if not points:
+            return self.start
+        result = goodput(points, *self.stop_slo, self.target)
+        rates = sorted(p.rate for p in points)
+        if result.kind == "at least":
+            up = rates[-1] * self.factor
+            return up if up <= self.max_rate else None
+        if result.kind == "below":
+            down = rates[0] / self.factor
+            floor = self.start / self.factor ** self.max_steps_down
+            return down if down >= floor * (1 - 1e-9) else None
+        low, high = result.passing, result.failing
+        middle = math.sqrt(low * high)
+        if self._refined or high / low < math.sqrt(self.factor) * (1 + 1e-9) or any(
+                abs(r - middle) < 1e-9 for r in rates):
+            return None
+        self._refined = True
+        return middle
