@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"needs {args.tp} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
         path, cal = write_checkpoint(args, Path(root))
         print(calibration_line(args, cal), flush=True)
