@@ -148,7 +148,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
             layout=layout_to_proto(layout), num_tokens=n * args.block_size, num_blocks=n,
             transports=["cuda-ipc", "grpc"], cuda_ipc=export.endpoint)
         dst_ids = list(range(local_blocks - 1, local_blocks - 1 - 2 * n, -2))  # scattered
-        num_bytes = n * layout.bytes_per_block * len(flat)
+        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers
         for backend in args.backends.split(","):
             times = []
             for i in range(args.warmup + args.iters):
