@@ -59,9 +59,9 @@ class ModelRunner:
         if not layers:
             raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
         # [layer] -> that op's tensors, each [num_kv_blocks, block_size, ...]: (K, V) for MHA,
-        # (latent,) for MLA, (latent, index keys) for sparse MLA. When every layer's tensors have one shape they are contiguous
-        # slices of one allocation, equally spaced (layer-major), so a KV transfer can gather
-        # a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
+        # (latent,) for MLA, (latent, index keys) for sparse MLA. When every layer's tensors have
+        # one shape they are contiguous slices of one allocation, equally spaced (layer-major), so a
+        # KV transfer can gather a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
         shapes = [list(layer.kv_cache_shapes(num_kv_blocks, block_size)) for layer in layers]
         stack = None
         if all(shape == shapes[0][0] for layer_shapes in shapes for shape in layer_shapes):
