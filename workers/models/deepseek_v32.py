@@ -29,7 +29,6 @@ from torch import nn
 
 from tandem.workers.models.deepseek_v3 import (DeepseekV3Attention, DeepseekV3DecoderLayer,
                                                DeepseekV3ForCausalLM)
-from tandem.workers.models.glm4_moe import Glm4MoeSparseBlock
 from tandem.workers.models.llama import LlamaMLP
 from tandem.workers.models.qwen3_moe import Qwen3MoeModel
 from tandem.workers.ops.attention import AttentionMetadata
@@ -106,8 +105,7 @@ class DeepseekV32Attention(DeepseekV3Attention):
 
 
 class DeepseekV32DecoderLayer(DeepseekV3DecoderLayer):
-    attention_cls = DeepseekV32Attention
-    sparse_block_cls = Glm4MoeSparseBlock
+    attention_cls = DeepseekV32Attention  # sparse_block_cls: V3's
 
     def build_mlp(self, config: Any, backend: KernelBackend, layer_idx: int) -> nn.Module:
         layer_types = getattr(config, "mlp_layer_types", None)
