@@ -221,7 +221,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
             transports=["cuda-ipc", "grpc"] if on_gpu else ["grpc"], cuda_ipc=endpoint)
         src_ids = handles[handle.handle_id]
         dst_ids = list(range(local_blocks - 1, local_blocks - 1 - 2 * n, -2))  # scattered
-        num_bytes = n * layout.bytes_per_block * len(flat)
+        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers
         for backend in args.backends.split(","):
             times, cell_started, warmup = [], None, args.warmup
             for i in range(1 + args.warmup + args.iters):

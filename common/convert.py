@@ -70,4 +70,4 @@ def layout_from_proto(message: worker_pb2.KVLayout):
     return KVLayout(kind=message.kind, num_layers=message.num_layers,
                     block_size=message.block_size, num_kv_heads=message.num_kv_heads,
                     head_dim=message.head_dim, dtype=message.dtype, tp_rank=message.tp_rank,
-                    tp_size=message.tp_size)
+                    tp_size=message.tp_size, index_head_dim=message.index_head_dim)

@@ -22,6 +22,7 @@ from tandem.common.security import TLSFiles, add_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
+from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
@@ -132,7 +133,8 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
     layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
-                                     tp_size=engine.config.tensor_parallel_size)
+                                     tp_size=engine.config.tensor_parallel_size,
+                                     kind=kv_cache_kind(engine.model))
     blocks = kv_block_access(async_engine)
     peers = PeerChannels(tls)
     device = engine.runner.kv_caches[0][0].device

@@ -86,7 +86,7 @@ class CudaIpcEndpoint(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., export_id: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("kind", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "tp_rank", "tp_size")
+    __slots__ = ("kind", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "tp_rank", "tp_size", "index_head_dim")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class KVLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     kind: str
     num_layers: int
     block_size: int
@@ -103,7 +104,8 @@ class KVLayout(_message.Message):
     dtype: str
     tp_rank: int
     tp_size: int
-    def __init__(self, kind: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    index_head_dim: int
+    def __init__(self, kind: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., index_head_dim: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "params", "kv_handle")

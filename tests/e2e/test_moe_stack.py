@@ -1,6 +1,8 @@
 """Every mixture-of-experts family served through router -> prefill -> decode: greedy tokens
 equal transformers' (GPT-OSS with prompts longer than its 16-token sliding window; DeepSeek-V3
-hands over its MLA latent cache, with and without YaRN)."""
+hands over its MLA latent cache; DeepSeek-V3.2 its latents and indexer keys, with YaRN and
+prompts longer than its index_topk of 24). The other DeepSeek variants hand over the same
+latent cache; tests/unit/engine/test_disaggregation.py moves theirs between two engines."""
 from __future__ import annotations
 
 import pytest
@@ -10,8 +12,7 @@ from helpers.processes import start_stack, stop
 
 from tandem.v1 import generate_pb2
 
-ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3",
-                 "deepseek_v3_yarn"]
+ARCHITECTURES = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v32"]
 
 
 @pytest.mark.parametrize("variant", ARCHITECTURES)

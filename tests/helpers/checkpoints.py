@@ -62,6 +62,7 @@ _ARCHITECTURES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
 }
 
 

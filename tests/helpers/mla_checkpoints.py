@@ -1,4 +1,4 @@
-"""Tiny DeepSeek-V2/V3 models (multi-head latent attention + MoE) saved as real checkpoints."""
+"""Tiny DeepSeek-V2/V3/V3.2 models (multi-head latent attention + MoE) saved as real checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,17 +43,34 @@ MLA_VARIANTS = {
                                     "topk_method": "group_limited_greedy", "n_group": 4,
                                     "topk_group": 2, "n_shared_experts": 2,
                                     "routed_scaling_factor": 2.0, "norm_topk_prob": False}, {}),
+    # DeepSeek-V3.2: V3 plus the lightning indexer. index_topk 24 is below most prompt +
+    # completion lengths of the parity tests, so most queries attend to a sparse selection;
+    # 8 index heads of 32 dims (RoPE on the first 8) make exact score ties (every head's
+    # relu at 0) rare. YaRN so the indexer's NeoX RoPE carries the attention factor too.
+    "deepseek_v32": ("deepseek_v32", {"num_hidden_layers": 2, "first_k_dense_replace": 1,
+                                      "q_lora_rank": 24, "rope_parameters": YARN,
+                                      "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+                                      "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                                      "norm_topk_prob": True, "index_topk": 24,
+                                      "index_head_dim": 32, "index_n_heads": 8}, {}),
 }
 
 
 def build_mla_checkpoint(name: str, directory: Path) -> TinyCheckpoint:
-    """A tiny DeepSeek whose V3 routers have a random, non-zero correction bias (transformers
-    initialises it to zeros, which would leave the bias path untested)."""
+    """A tiny DeepSeek whose V3 routers have a random, non-zero correction bias, and whose
+    V3.2 indexer key norms a random weight and bias (transformers initialises them to zeros
+    and ones, which would leave those paths untested)."""
     ckpt = build_checkpoint(name, directory, MLA_VARIANTS, MLA_BASE)
     generator = torch.Generator().manual_seed(5)
-    for layer in ckpt.model.model.layers:
-        bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
-        if bias is not None:
-            bias.copy_(torch.rand(bias.shape, generator=generator) * 0.4 - 0.2)
+    with torch.no_grad():
+        for layer in ckpt.model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.rand(bias.shape, generator=generator) * 0.4 - 0.2)
+            indexer = getattr(layer.self_attn, "indexer", None)
+            if indexer is not None:
+                norm = indexer.k_norm
+                norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=generator) * 0.2)
+                norm.bias.copy_(torch.randn(norm.bias.shape, generator=generator) * 0.2)
     ckpt.model.save_pretrained(ckpt.path)
     return ckpt

@@ -1,7 +1,8 @@
 """Turns a scheduled batch into model inputs, runs the model, and returns next-token logits.
 
 Owns the paged KV cache tensors (whatever each KV-owning op asks for: K and V per MHA layer,
-one latent tensor per MLA layer; see ops/kv_cache.py) and nothing about scheduling or sampling
+one latent tensor per MLA layer, the latent and the indexer keys per DeepSeek-V3.2 layer; see
+ops/kv_cache.py) and nothing about scheduling or sampling
 policy.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
-from tandem.workers.ops.kv_cache import KVCacheOwner
+from tandem.workers.ops.kv_cache import KVCacheOwner, kv_cache_kind_of
 
 logger = get_logger(__name__)
 
@@ -41,6 +42,12 @@ def attention_layers(model: nn.Module) -> list[KVCacheOwner]:
     return [m for m in model.modules() if isinstance(m, KVCacheOwner)]
 
 
+def kv_cache_kind(model: nn.Module) -> str | None:
+    """The kind of KV cache the model's attention ops declare (ops/kv_cache.py), for the KV
+    layout its handles carry."""
+    return kv_cache_kind_of(attention_layers(model))
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -52,9 +59,9 @@ class ModelRunner:
         if not layers:
             raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
         # [layer] -> that op's tensors, each [num_kv_blocks, block_size, ...]: (K, V) for MHA,
-        # (latent,) for MLA. When every layer's tensors have one shape they are contiguous
-        # slices of one allocation, equally spaced (layer-major), so a KV transfer can gather
-        # a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
+        # (latent,) for MLA, (latent, index keys) for sparse MLA. When every layer's tensors have
+        # one shape they are contiguous slices of one allocation, equally spaced (layer-major), so a
+        # KV transfer can gather a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
         shapes = [list(layer.kv_cache_shapes(num_kv_blocks, block_size)) for layer in layers]
         stack = None
         if all(shape == shapes[0][0] for layer_shapes in shapes for shape in layer_shapes):

@@ -58,7 +58,9 @@ def device_uuid(device: torch.device) -> str:
 
 
 def flat_caches(kv_caches: KVCaches) -> list[torch.Tensor]:
-    """Layer-major list of cache tensors: K0, V0, K1, V1, ... (MHA) or L0, L1, ... (MLA)."""
+    """Layer-major list of cache tensors: K0, V0, K1, V1, ... (MHA), L0, L1, ... (MLA) or
+    L0, I0, L1, I1, ... (sparse MLA: latent and indexer keys, which stacked_view cannot join:
+    copy_blocks then copies tensor by tensor)."""
     return [cache for caches in kv_caches for cache in caches]
 
 

@@ -77,24 +77,39 @@ class DeepseekV3Attention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.rope_dim, config.max_position_embeddings, params, backend=backend,
             is_neox_style=not getattr(config, "rope_interleave", True))
-        self.attn = MLAAttention(self.num_heads, self.nope_dim, self.rope_dim, self.v_head_dim,
-                                 self.kv_lora_rank, yarn_softmax_scale(params, qk_head_dim),
-                                 backend)
+        self.attn = self.build_attn(config, yarn_softmax_scale(params, qk_head_dim), backend)
+
+    def build_attn(self, config: Any, scale: float, backend: KernelBackend) -> nn.Module:
+        """The op that owns this layer's KV cache (DeepSeek-V3.2 swaps in sparse MLA)."""
+        return MLAAttention(self.num_heads, self.nope_dim, self.rope_dim, self.v_head_dim,
+                            self.kv_lora_rank, scale, backend)
+
+    def attend(self, positions: torch.Tensor, hidden: torch.Tensor,
+               q_latent: torch.Tensor | None, q_nope: torch.Tensor, q_pe: torch.Tensor,
+               kv_c: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """[T, H, Dv] from the projected (and roped) q and latents; hidden [T, D] is the
+        layer's normed input and q_latent [T, q_lora_rank] the normed q LoRA latent (None
+        without q_lora_rank), for subclasses that need them."""
+        return self.attn(q_nope, q_pe, kv_c, k_pe, self.kv_b_proj.weight, meta)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        q_latent = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden))  # [T, q_lora_rank]
+            q = self.q_b_proj(q_latent)
         q = q.view(num_tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, Dn+P]
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim],
                                                            dim=-1)  # [T, R], [T, P]
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))  # [T, H|1, P]
-        out = self.attn(q_nope, q_pe, kv_c, k_pe.squeeze(1), self.kv_b_proj.weight, meta)
+        out = self.attend(positions, hidden, q_latent, q_nope, q_pe, kv_c, k_pe.squeeze(1),
+                          meta)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 

@@ -14,17 +14,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v3", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
 }
 
 # Architectures transformers knows that Tandem cannot serve yet: name -> why.
-_NOT_SUPPORTED_YET: dict[str, str] = {
-    "DeepseekV32ForCausalLM": (
-        "DeepSeek-V3.2's sparse attention (DSA) needs a lightning indexer per layer, with its "
-        "own paged key cache, that keeps only the top index_topk cached tokens for each query; "
-        "Tandem's MLA attends to every cached token, which gives other tokens as soon as a "
-        "context outgrows index_topk (transformers 5.23 builds the model, so parity tests can "
-        "be written once the indexer exists)"),
-}
+_NOT_SUPPORTED_YET: dict[str, str] = {}
 
 
 def supported_architectures() -> list[str]:

@@ -1,10 +1,18 @@
 """The contract between an op that keeps a paged KV cache and the model runner that allocates it.
 
-Each such op says which tensors it needs (`kv_cache_shapes`: MHA `Attention` asks for K and V of
-[num_blocks, block_size, num_kv_heads, head_dim]; `MLAAttention` for one latent tensor of
-[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]); the runner allocates them, zeroed,
-in the model's dtype and on its device, and hands them back through `bind_kv_cache` in the same
-order. Block b of every tensor of every layer belongs to the same block-manager block b.
+Each such op says which tensors it needs (`kv_cache_shapes`) and which kind of cache they make
+(`kv_cache_kind`, the name a KV handle's layout carries; kv/layout.py):
+
+    kind           op                              tensors per layer, in bind order
+    "mha"          Attention (attention.py)        K, V: [num_blocks, block_size, KVH, head_dim]
+    "mla"          MLAAttention (mla.py)           latent: [num_blocks, block_size, 1, R + P]
+    "mla_indexer"  SparseMLAAttention              latent as "mla", then the indexer's keys:
+                   (sparse_mla.py)                 [num_blocks, block_size, 1, index_head_dim]
+
+The runner allocates them, zeroed, in the model's dtype and on its device, and hands them back
+through `bind_kv_cache` in the same order. Block b of every tensor of every layer belongs to the
+same block-manager block b, and slot s (block * block_size + offset) of every tensor holds the
+same token: an op writes all of its tensors' rows for a token in the same step.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 Shape = tuple[int, ...]
+KV_CACHE_KINDS = ("mha", "mla", "mla_indexer")
 
 
 @runtime_checkable
@@ -22,3 +31,13 @@ class KVCacheOwner(Protocol):
 
     def bind_kv_cache(self, *caches: torch.Tensor) -> None:
         """Receive tensors of exactly those shapes, in that order."""
+
+
+def kv_cache_kind_of(owners: list[KVCacheOwner]) -> str | None:
+    """The one kind every owner declares (`kv_cache_kind`), None if none declares one;
+    ValueError if they disagree (a KV layout describes every layer alike)."""
+    kinds = {getattr(owner, "kv_cache_kind", None) for owner in owners}
+    if len(kinds) > 1:
+        raise ValueError(f"attention layers keep different KV cache kinds: "
+                         f"{sorted(map(str, kinds))}")
+    return next(iter(kinds), None)

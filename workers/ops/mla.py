@@ -35,6 +35,8 @@ Two exact rewrites of the same attention, chosen per sequence:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +51,8 @@ class MLAAttention(nn.Module):
 
     Backends: torch (`mla_attention_torch`, any device) and aiter-triton (mla_gpu.py: our
     split-KV Triton decode kernel over the latent cache, SDPA for prefills)."""
+
+    kv_cache_kind = "mla"  # kv/layout.py
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, scale: float,
@@ -79,6 +83,12 @@ class MLAAttention(nn.Module):
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], ...]:
         return ((num_blocks, block_size, 1, self.latent_dim),)
 
+    def check_kv_b_weight(self, kv_b_weight: torch.Tensor) -> None:
+        expected = (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                    self.kv_lora_rank)
+        if tuple(kv_b_weight.shape) != expected:
+            raise ValueError(f"kv_b_proj weight shape {tuple(kv_b_weight.shape)} != {expected}")
+
     def bind_kv_cache(self, latent_cache: torch.Tensor) -> None:
         if latent_cache.dim() != 4 or tuple(latent_cache.shape[2:]) != (1, self.latent_dim):
             raise ValueError(f"latent cache shape {tuple(latent_cache.shape)} does not match "
@@ -93,10 +103,7 @@ class MLAAttention(nn.Module):
         kv_b_weight [H * (Dn + Dv), R] -> [T, H, Dv]."""
         if self.latent_cache is None:
             raise RuntimeError("MLAAttention.forward before bind_kv_cache")
-        expected = (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-                    self.kv_lora_rank)
-        if tuple(kv_b_weight.shape) != expected:
-            raise ValueError(f"kv_b_proj weight shape {tuple(kv_b_weight.shape)} != {expected}")
+        self.check_kv_b_weight(kv_b_weight)
         if self.backend is KernelBackend.AITER_TRITON:
             from tandem.workers.ops.mla_gpu import mla_forward_gpu
             return mla_forward_gpu(self, q_nope, q_pe, kv_c, k_pe, kv_b_weight, meta)
@@ -114,30 +121,37 @@ def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: tor
 
 def mla_attention_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                         kv_b_weight: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        v_head_dim: int) -> torch.Tensor:
-    """Reference MLA over the paged latent cache, one sequence at a time (module docstring)."""
+                        v_head_dim: int,
+                        masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Reference MLA over the paged latent cache, one sequence at a time (module docstring).
+
+    masks: per sequence None (causal attention) or an [L, S] bool mask, True where a query
+    attends; it must already be causal (sparse attention: ops/indexer.py topk_visibility)."""
     num_tokens, num_heads, _ = q_nope.shape
     kv_lora_rank = kv_b_weight.shape[1]
     out = q_nope.new_empty(num_tokens, num_heads, v_head_dim)
     starts = meta.query_start_loc_host
     for i, seq_len in enumerate(meta.seq_lens_host):
         start, end = starts[i], starts[i + 1]
+        mask = None if masks is None else masks[i]
         rows = gather_kv(latent_cache, meta.block_tables[i], seq_len)[:, 0]  # [S, R + P]
         rows = rows.to(q_nope.dtype)
         if end - start == 1:
             out[start:end] = _decode_absorbed(q_nope[start:end], q_pe[start:end], rows,
-                                              kv_b_weight, scale, kv_lora_rank, v_head_dim)
+                                              kv_b_weight, scale, kv_lora_rank, v_head_dim,
+                                              mask)
         else:
             out[start:end] = _prefill_expanded(q_nope[start:end], q_pe[start:end], rows,
-                                               kv_b_weight, scale, kv_lora_rank, v_head_dim)
+                                               kv_b_weight, scale, kv_lora_rank, v_head_dim,
+                                               mask)
     return out
 
 
 def _prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                       kv_b_weight: torch.Tensor, scale: float, kv_lora_rank: int,
-                      v_head_dim: int) -> torch.Tensor:
+                      v_head_dim: int, mask: torch.Tensor | None = None) -> torch.Tensor:
     """q_nope [L, H, Dn], q_pe [L, H, P], rows [S, R + P] -> [L, H, Dv]; the L queries are the
-    last L of the S positions."""
+    last L of the S positions; mask [L, S] (True: attend) or None for causal."""
     query_len, num_heads, nope_dim = q_nope.shape
     seq_len = rows.shape[0]
     kv_c, k_pe = rows.split([kv_lora_rank, rows.shape[1] - kv_lora_rank], dim=-1)
@@ -145,18 +159,20 @@ def _prefill_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tens
     k_nope, v = kv.split([nope_dim, v_head_dim], dim=-1)  # [S, H, Dn], [S, H, Dv]
     k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1)  # [S, H, Dn+P]
     q = torch.cat((q_nope, q_pe), dim=-1)  # [L, H, Dn + P]
-    key_pos = torch.arange(seq_len, device=q.device)
-    query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-    causal = key_pos[None, :] <= query_pos  # [L, S]
+    if mask is None:
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        mask = key_pos[None, :] <= query_pos  # [L, S], causal
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=causal, scale=scale)  # [H, L, Dv]
+                                       attn_mask=mask, scale=scale)  # [H, L, Dv]
     return o.transpose(0, 1)
 
 
 def _decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                      kv_b_weight: torch.Tensor, scale: float, kv_lora_rank: int,
-                     v_head_dim: int) -> torch.Tensor:
-    """One query: q_nope [1, H, Dn], q_pe [1, H, P], rows [S, R + P] -> [1, H, Dv]."""
+                     v_head_dim: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One query: q_nope [1, H, Dn], q_pe [1, H, P], rows [S, R + P] -> [1, H, Dv]; mask [1, S]
+    (True: attend) or None for every row."""
     _, num_heads, nope_dim = q_nope.shape
     w = kv_b_weight.view(num_heads, nope_dim + v_head_dim, kv_lora_rank)
     w_uk, w_uv = w.split([nope_dim, v_head_dim], dim=1)  # [H, Dn, R], [H, Dv, R]
@@ -164,5 +180,6 @@ def _decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tenso
     q = torch.cat((q_latent, q_pe[0]), dim=-1)[:, None, :]  # [H, 1, R + P]
     # Multi-query attention: every head reads the same [S, R + P] keys and [S, R] values.
     o_latent = F.scaled_dot_product_attention(q, rows[None], rows[None, :, :kv_lora_rank],
-                                              scale=scale, enable_gqa=True)  # [H, 1, R]
+                                              attn_mask=mask, scale=scale,
+                                              enable_gqa=True)  # [H, 1, R]
     return torch.einsum("hr,hvr->hv", o_latent[:, 0], w_uv)[None]  # [1, H, Dv]

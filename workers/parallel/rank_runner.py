@@ -24,8 +24,9 @@ from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.parallel.followers import FollowerProcesses
-from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, local_share,
-                                               split_joined, write_local_share)
+from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
+                                               local_share, share_shape, split_joined,
+                                               write_local_share)
 from tandem.workers.parallel.messages import (HEADER_LEN, Command, make_header, pack_inputs,
                                               payload_length, unpack_inputs)
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
@@ -113,7 +114,7 @@ class LeaderRunner:
             share = local_share(self.kv_caches, block_ids)
             shares = [torch.empty_like(share) for _ in range(self.tp_size)]
             dist.gather(share, shares, dst=0)
-        return join_shares(shares, len(self.kv_caches[0]))
+        return join_shares(shares, layer_widths(self.kv_caches))
 
     def scatter_kv_blocks(self, block_ids: list[int], joined: KVCaches) -> None:
         """Write joined KV (as `gather_kv_blocks` returns it) into `block_ids` on every rank.
@@ -149,8 +150,7 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
         elif command is Command.SCATTER_KV:
             block_ids = payload.tolist()
             like = runner.kv_caches[0][0]
-            num_tensors = sum(len(layer) for layer in runner.kv_caches)
-            mine = torch.empty((num_tensors, len(block_ids), *like.shape[1:]),
+            mine = torch.empty(share_shape(runner.kv_caches, len(block_ids)),
                                dtype=like.dtype, device=like.device)
             dist.scatter(mine, None, src=0)
             write_local_share(runner.kv_caches, block_ids, mine)

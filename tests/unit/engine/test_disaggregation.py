@@ -6,6 +6,7 @@ import pytest
 from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
 from tandem import LLM, SamplingParams
+from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.sequence import SequenceStatus
 from tandem.workers.kv.block_payload import PayloadWriter, iter_payload_chunks
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
@@ -53,13 +54,16 @@ def test_prefill_here_decode_there_matches_transformers(checkpoint, variant):
         assert not engine.requests
 
 
-@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_yarn"])
-def test_latent_cache_handoff_matches_transformers(moe_checkpoint, variant):
-    """MLA: one latent tensor per layer crosses over, and decode attends over it absorbed."""
+@pytest.mark.parametrize("variant,kind", [("deepseek_v3", "mla"), ("deepseek_v3_yarn", "mla"),
+                                          ("deepseek_v32", "mla_indexer")])
+def test_latent_cache_handoff_matches_transformers(moe_checkpoint, variant, kind):
+    """MLA: one latent tensor per layer crosses over, and decode attends over it absorbed.
+    DeepSeek-V3.2: the indexer keys cross with it, and decode selects its sparse keys there."""
     ckpt = moe_checkpoint(variant)
     prefill = LLM(ckpt.path, dtype="float32", max_num_batched_tokens=64).engine
     decode = LLM(ckpt.path, dtype="float32").engine
-    assert KVLayout.from_kv_caches(decode.runner.kv_caches).kind == "mla"
+    assert KVLayout.from_kv_caches(decode.runner.kv_caches,
+                                   kind=kv_cache_kind(decode.model)).kind == kind
     prompts = random_prompts(PARITY_LENGTHS, seed=46)
     seqs = [transfer(prefill, decode, p, GREEDY, f"m{i}") for i, p in enumerate(prompts)]
     run_to_completion(decode)
@@ -140,3 +144,18 @@ def test_mha_worker_refuses_an_mla_workers_blocks(checkpoint, moe_checkpoint):
     with pytest.raises(KVLayoutMismatch, match="source keeps a 'mla' KV cache and this worker "
                                                "a 'mha' one"):
         mla.check_readable_by(mha)
+
+
+def test_deepseek_v32_and_v3_workers_refuse_each_others_blocks(moe_checkpoint):
+    """Latents without indexer keys would leave a V3.2 decode selecting keys from zeros."""
+    v32 = LLM(moe_checkpoint("deepseek_v32").path, dtype="float32").engine
+    v3 = LLM(moe_checkpoint("deepseek_v3").path, dtype="float32").engine
+    dsa, mla = (KVLayout.from_kv_caches(e.runner.kv_caches, kind=kv_cache_kind(e.model))
+                for e in (v32, v3))
+    assert (dsa.kind, dsa.head_dim, dsa.index_head_dim) == ("mla_indexer", 40, 32)
+    assert (mla.kind, mla.head_dim, mla.index_head_dim) == ("mla", 40, 0)
+    with pytest.raises(KVLayoutMismatch, match="source keeps a 'mla' KV cache and this worker "
+                                               "a 'mla_indexer' one.*indexer keys"):
+        mla.check_readable_by(dsa)
+    with pytest.raises(KVLayoutMismatch, match="index_head_dim: source 32 != receiver 0"):
+        dsa.check_readable_by(mla)
