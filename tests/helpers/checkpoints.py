@@ -171,6 +171,24 @@ def assert_greedy_parity(llm, ckpt: TinyCheckpoint, prompts: list[list[int]],
         assert out.finish_reason == "length"
 
 
+def assert_chunked_prefill_parity(ckpt: TinyCheckpoint, num_new_tokens: int = 32) -> None:
+    """48-token chunks attend to the cache of earlier chunks; the second round finds the shared
+    120-token prefix in the prefix cache and prefills only the rest over it. Both rounds give
+    transformers' greedy tokens."""
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(ckpt.path, dtype="float32", block_size=16, max_num_batched_tokens=48)
+    [prefix] = random_prompts([120], seed=3)
+    prompts = [prefix + tail for tail in random_prompts([1, 9, 40, 75], seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=num_new_tokens, min_tokens=num_new_tokens)
+    for round_ in range(2):
+        outputs = llm.generate(prompts, params)
+        for prompt, out in zip(prompts, outputs):
+            assert out.token_ids == ckpt.greedy(prompt, num_new_tokens), \
+                f"round {round_}: prompt of {len(prompt)} tokens diverged"
+    assert all(out.num_cached_tokens >= 112 for out in outputs)  # 7 full blocks of the prefix
+
+
 def rewrite_weights(src: Path, dst: Path, edit) -> Path:
     """Copy a single-file checkpoint to dst and apply edit(tensors) to its weights."""
     import shutil

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import (PARITY_LENGTHS, assert_greedy_parity, assert_logits_parity,
+from helpers.checkpoints import (PARITY_LENGTHS, assert_chunked_prefill_parity,
+                                 assert_greedy_parity, assert_logits_parity,
                                  random_prompts, rewrite_weights)
 from helpers.mla_checkpoints import MLA_BASE, MLA_VARIANTS
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.workers.engine.model_runner import kv_cache_bytes_per_block
 from tandem.workers.models.deepseek_v3 import DeepseekV2SparseBlock
 from tandem.workers.models.glm4_moe import Glm4MoeSparseBlock
@@ -33,19 +34,8 @@ def test_logits_at_every_position_match_transformers(moe_checkpoint, variant):
 
 @pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_yarn"])
 def test_chunked_prefill_over_cached_latents_matches_transformers(moe_checkpoint, variant):
-    """48-token chunks attend to the latents of earlier chunks; the second round finds the
-    shared 120-token prefix in the prefix cache and prefills only the rest over those latents."""
-    ckpt = moe_checkpoint(variant)
-    llm = LLM(ckpt.path, dtype="float32", block_size=16, max_num_batched_tokens=48)
-    [prefix] = random_prompts([120], seed=3)
-    prompts = [prefix + tail for tail in random_prompts([1, 9, 40, 75], seed=4)]
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
-    for round_ in range(2):
-        outputs = llm.generate(prompts, params)
-        for prompt, out in zip(prompts, outputs):
-            assert out.token_ids == ckpt.greedy(prompt, NUM_NEW_TOKENS), \
-                f"round {round_}: prompt of {len(prompt)} tokens diverged"
-    assert all(out.num_cached_tokens >= 112 for out in outputs)  # 7 full blocks of the prefix
+    """Chunks and prefix-cache hits attend over cached latents (assert_chunked_prefill_parity)."""
+    assert_chunked_prefill_parity(moe_checkpoint(variant), NUM_NEW_TOKENS)
 
 
 def test_layers_follow_first_k_dense_replace_and_the_cache_holds_latents(moe_checkpoint):

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.paged import scattered_batch
 from torch import nn
 
 import tandem.workers.ops.attention as attention_mod
-from tandem.workers.ops.attention import Attention, AttentionMetadata
+from tandem.workers.ops.attention import Attention
 from tandem.workers.ops.rotary import RotaryEmbedding, rope_parameters, yarn_softmax_scale
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 16, 4, 40
@@ -26,27 +27,15 @@ def _mixed_batch(attn: Attention, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     attn.bind_kv_cache(torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, DIM),
                        torch.zeros(NUM_BLOCKS, BLOCK, KV_HEADS, DIM))
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    tables, full, slots, starts, lens = [], [], [], [0], []
-    for cached, new in LAYOUT:
+    tables, meta = scattered_batch(LAYOUT, NUM_BLOCKS, BLOCK, gen)
+    full = []
+    for (cached, new), table in zip(LAYOUT, tables):
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
         q, k, v = (torch.randn(total, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
         for pos in range(cached):
             attn.k_cache[table[pos // BLOCK], pos % BLOCK] = k[pos]
             attn.v_cache[table[pos // BLOCK], pos % BLOCK] = v[pos]
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
-        tables.append(table)
         full.append((q, k, v))
-        starts.append(starts[-1] + new)
-        lens.append(total)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor(lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        max_query_len=max(n for _, n in LAYOUT), max_seq_len=max(lens),
-        query_start_loc_host=starts, seq_lens_host=lens)
     step = [torch.cat([f[j][c:] for (c, _), f in zip(LAYOUT, full)]) for j in range(3)]
     return full, step, meta
 

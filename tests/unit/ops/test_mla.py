@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.paged import scattered_batch
 
 import tandem.workers.ops.mla as mla_mod
-from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.mla import MLAAttention
 
 HEADS, NOPE, ROPE, V_DIM, RANK, BLOCK, NUM_BLOCKS = 4, 16, 8, 12, 32, 4, 40
@@ -21,11 +21,10 @@ def _batch(op: MLAAttention, layout, seed: int = 0):
     scattered). Returns (per-sequence tensors, this step's flat inputs, metadata)."""
     gen = torch.Generator().manual_seed(seed)
     op.bind_kv_cache(*[torch.zeros(s) for s in op.kv_cache_shapes(NUM_BLOCKS, BLOCK)])
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    full, tables, slots, starts, lens = [], [], [], [0], []
-    for cached, new in layout:
+    tables, meta = scattered_batch(layout, NUM_BLOCKS, BLOCK, gen)
+    full = []
+    for (cached, new), table in zip(layout, tables):
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
         seq = dict(q_nope=torch.randn(total, HEADS, NOPE, generator=gen),
                    q_pe=torch.randn(total, HEADS, ROPE, generator=gen),
                    kv_c=torch.randn(total, RANK, generator=gen),
@@ -33,18 +32,7 @@ def _batch(op: MLAAttention, layout, seed: int = 0):
         for pos in range(cached):
             op.latent_cache[table[pos // BLOCK], pos % BLOCK, 0] = torch.cat(
                 (seq["kv_c"][pos], seq["k_pe"][pos]))
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
         full.append(seq)
-        tables.append(table)
-        starts.append(starts[-1] + new)
-        lens.append(total)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor(lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        max_query_len=max(n for _, n in layout), max_seq_len=max(lens),
-        query_start_loc_host=starts, seq_lens_host=lens)
     step = {name: torch.cat([seq[name][c:] for (c, _), seq in zip(layout, full)])
             for name in full[0]}
     return full, step, meta

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.paged import scattered_batch
 
 import tandem.workers.ops.indexer as indexer_mod
-from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.indexer import IndexerInputs
 from tandem.workers.ops.sparse_mla import SparseMLAAttention
 
@@ -26,28 +26,16 @@ def _batch(op: SparseMLAAttention, seed: int = 0):
     scattered blocks. Returns (per-sequence tensors, this step's flat inputs, metadata)."""
     gen = torch.Generator().manual_seed(seed)
     op.bind_kv_cache(*[torch.zeros(s) for s in op.kv_cache_shapes(NUM_BLOCKS, BLOCK)])
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    full, tables, slots, starts, lens = [], [], [], [0], []
-    for cached, new in LAYOUT:
+    tables, meta = scattered_batch(LAYOUT, NUM_BLOCKS, BLOCK, gen)
+    full = []
+    for (cached, new), table in zip(LAYOUT, tables):
         total = cached + new
-        table = [free.pop() for _ in range(-(-total // BLOCK))]
         seq = {name: torch.randn(total, *shape, generator=gen) for name, shape in NAMES.items()}
         for pos in range(cached):
             block, offset = table[pos // BLOCK], pos % BLOCK
             op.latent_cache[block, offset, 0] = torch.cat((seq["kv_c"][pos], seq["k_pe"][pos]))
             op.index_key_cache[block, offset, 0] = seq["index_k"][pos]
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, total)]
         full.append(seq)
-        tables.append(table)
-        starts.append(starts[-1] + new)
-        lens.append(total)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
-        seq_lens=torch.tensor(lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        max_query_len=max(n for _, n in LAYOUT), max_seq_len=max(lens),
-        query_start_loc_host=starts, seq_lens_host=lens)
     step = {name: torch.cat([seq[name][c:] for (c, _), seq in zip(LAYOUT, full)])
             for name in NAMES}
     return full, step, meta
