@@ -22,6 +22,7 @@ import sys
 import torch
 
 from tandem.bench.engine_limits import copies_to_defeat_l2, measure_limits, time_graphed
+from tandem.bench.engine_ops import PROJECTIONS
 from tandem.workers.ops.gpu.decode_gemv import default_config, fused_gemv
 from tandem.workers.ops.gpu.paged_decode import paged_decode_attention
 
@@ -76,36 +77,34 @@ def compare_matmul_forms(copy_bps: float) -> list[str]:
 
 
 def tune_gemv(copy_bps: float) -> list[str]:
+    """The one-row fused GEMV at Llama-8B's projections (engine_ops.PROJECTIONS), cold weights."""
     lines = []
-    shapes = {"qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False),
-              "gate_up": (28672, 4096, True, True), "down": (4096, 14336, False, False)}
-    for name, (n, k, norm, silu) in shapes.items():
+    for name, (n, k, norm, silu) in PROJECTIONS.items():
         weights = [torch.randn(n, k, device="cuda", dtype=BF16)
                    for _ in range(copies_to_defeat_l2(n * k * 2))]
         norm_weight = torch.ones(k, device="cuda", dtype=BF16) if norm else None
-        for rows in (1,):
-            x = torch.randn(rows, k, device="cuda", dtype=BF16)
-            res = torch.randn_like(x) if norm else None
-            results = []
-            default = default_config(n // 2 if silu else n, k, silu)
-            for block_n, block_k, warps, stages in itertools.product(
-                    (4, 8, 16), (256, 512, 1024), (4, 8), (3,)):
-                cfg = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
-                       "num_stages": stages}
-                try:
-                    seconds = time_graphed(lambda i: fused_gemv(
-                        x, weights[i % len(weights)], residual=res, norm_weight=norm_weight,
-                        silu_mul=silu, config=cfg), reps=5)
-                except Exception as exc:  # e.g. out of shared memory: skip the config
-                    lines.append(f"gemv {name} {rows} rows {cfg}: {type(exc).__name__}")
-                    continue
-                results.append((seconds, cfg == default, cfg))
-            results.sort(key=lambda r: r[0])
-            floor = n * k * 2 / copy_bps
-            default_row = [r for r in results if r[1]]
-            for seconds, is_default, cfg in results[:3] + default_row:
-                lines.append(f"gemv {name} {rows}x{k}x{n}: {cfg}{' (default)' if is_default else ''}"
-                             f": {seconds * 1e6:.1f} us ({floor / seconds:.0%} of copy BW)")
+        x = torch.randn(1, k, device="cuda", dtype=BF16)
+        res = torch.randn_like(x) if norm else None
+        results = []
+        default = default_config(n // 2 if silu else n, k, silu)
+        for block_n, block_k, warps, stages in itertools.product(
+                (4, 8, 16), (256, 512, 1024), (4, 8), (3,)):
+            cfg = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
+                   "num_stages": stages}
+            try:
+                seconds = time_graphed(lambda i: fused_gemv(
+                    x, weights[i % len(weights)], residual=res, norm_weight=norm_weight,
+                    silu_mul=silu, config=cfg), reps=5)
+            except Exception as exc:  # e.g. out of shared memory: skip the config
+                lines.append(f"gemv {name} {cfg}: {type(exc).__name__}")
+                continue
+            results.append((seconds, cfg == default, cfg))
+        results.sort(key=lambda r: r[0])
+        floor = n * k * 2 / copy_bps
+        default_row = [r for r in results if r[1]]
+        for seconds, is_default, cfg in results[:3] + default_row:
+            lines.append(f"gemv {name} 1x{k}x{n}: {cfg}{' (default)' if is_default else ''}"
+                         f": {seconds * 1e6:.1f} us ({floor / seconds:.0%} of copy BW)")
         del weights
     return lines
 

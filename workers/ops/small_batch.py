@@ -17,7 +17,7 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.linear import LinearBase
 from tandem.workers.ops.norm import RMSNorm
 
-MAX_ROWS = 1  # = decode_gemv.MAX_ROWS; at 2+ rows cuBLAS reads the weights faster
+MAX_ROWS = 1  # fused_gemv takes one row; at 2+ rows cuBLAS reads the weights faster
 
 
 def fusable(norms: tuple[RMSNorm, ...], linears: tuple[LinearBase, ...]) -> bool:

@@ -30,8 +30,6 @@ import triton.language as tl
 
 from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
-MAX_ROWS = 1
-
 
 @triton.jit
 def _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k0, K, w, wu, acc, acc_up, sum_sq,
@@ -122,7 +120,7 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
     """
     rows, k = x.shape
     n_total = weight.shape[0]
-    if rows != MAX_ROWS or weight.shape[1] != k:
+    if rows != 1 or weight.shape[1] != k:
         raise ValueError(f"fused_gemv takes one row of {weight.shape[1]} columns, got "
                          f"{tuple(x.shape)}")
     if silu_mul and n_total % 2:

@@ -47,60 +47,30 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
-                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_table,
+def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+                 k_cache_ptr, v_cache_ptr,
+                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                 stride_v_tok, stride_v_head, stride_table,
+                 stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                  Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr):
-    tok = tl.program_id(0)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    offs_i = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
-    _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, cos, sin,
-                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False)
-    _rotate_heads(k_ptr + tok * stride_k_tok, stride_k_head, NUM_K_HEADS, cos, sin,
-                  K_HEADS_PAD, HALF, HALF_PAD, NEOX, k_ptr, 0, False)
-
-
-def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool) -> None:
-    """q [T, H, D], k [T, KVH, D] rotated in place; cos/sin [max_pos, R/2] fp32, contiguous."""
-    num_tokens = q.shape[0]
-    if num_tokens == 0:
-        return
-    if q.stride(2) != 1 or k.stride(2) != 1:
-        raise ValueError("rotary_embedding_ needs a contiguous head_dim")
-    half = cos.shape[1]
-    _rope_kernel[(num_tokens,)](
-        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1],
-        Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
-        K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style, num_warps=4)
-
-
-@triton.jit
-def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-                          k_cache_ptr, v_cache_ptr,
-                          stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                          stride_v_tok, stride_v_head, stride_table,
-                          stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                          Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program per token: rotate its q and k heads in place; with WRITE_KV also store the
+    rotated k (and v) rows at slot_mapping[tok] unless that slot is a padding row (< 0)."""
     tok = tl.program_id(0)
     wait_for_previous_kernel(USE_PDL)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)
     cos = tl.load(cos_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     sin = tl.load(sin_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, cos, sin,
                   Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False)
     k_row = k_ptr + tok * stride_k_tok
+    slot = -1
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
                       HALF_PAD, NEOX, k_cache_ptr + slot * stride_kc_slot, stride_kc_head,
@@ -118,26 +88,32 @@ def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_p
                     + offs_d[None, :], mask=mask_v)
         tl.store(v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_head
                  + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
-    else:  # a padding row: rotate k in place only
+    else:  # no cache write (or a padding row): rotate k in place only
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
                       HALF_PAD, NEOX, k_ptr, 0, False)
 
 
-def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      is_neox_style: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """rotary_embedding_ on q and k, then k and v into caches [blocks, block_size, KVH, D]."""
+def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, is_neox_style: bool,
+            kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+            ) -> None:
+    """kv_write = (v, k_cache, v_cache, slot_mapping) or None (rotate only)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    v = kv_write[0] if kv_write is not None else k
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
-        raise ValueError("rope_and_write_kv needs a contiguous head_dim")
-    kc = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
-    vc = v_cache.view(-1, num_kv_heads, head_dim)
+        raise ValueError("RoPE kernels need a contiguous head_dim")
+    if kv_write is not None:
+        _, k_cache, v_cache, slots = kv_write
+        kc = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
+        vc = v_cache.view(-1, num_kv_heads, head_dim)
+    else:
+        kc, vc, slots = k, k, positions  # unread: WRITE_KV is off
     half = cos.shape[1]
-    _rope_write_kv_kernel[(num_tokens,)](
-        q, k, v, positions, cos, sin, slot_mapping, kc, vc,
+    pdl = pdl_enabled(q.device)
+    _rope_kernel[(num_tokens,)](
+        q, k, v, positions, cos, sin, slots, kc, vc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=num_kv_heads,
@@ -145,4 +121,18 @@ def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        USE_PDL=pdl_enabled(q.device), launch_pdl=pdl_enabled(q.device), num_warps=4)
+        WRITE_KV=kv_write is not None, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+
+
+def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool) -> None:
+    """q [T, H, D], k [T, KVH, D] rotated in place; cos/sin [max_pos, R/2] fp32, contiguous."""
+    _launch(positions, q, k, cos, sin, is_neox_style, None)
+
+
+def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      is_neox_style: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """rotary_embedding_ on q and k, then k and v into caches [blocks, block_size, KVH, D]."""
+    _launch(positions, q, k, cos, sin, is_neox_style, (v, k_cache, v_cache, slot_mapping))
