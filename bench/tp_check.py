@@ -275,7 +275,8 @@ def compare(prompts, one, one_scored, many, many_scored, tp: int) -> tuple[list,
             margin_at_diff=None if diff is None else margin(one[i].logprobs[diff]),
             tf_greedy=tf_greedy, tf_scored=tf_scored, n=len(one_scored[i]),
             min_margin=min(margin(lp) for lp in one[i].logprobs),
-            dlogp=max(max_dlogp(x, y) for x, y in zip(one_scored[i], many_scored[i]))))
+            dlogp=max(max_dlogp(x, y) for x, y in zip(one_scored[i], many_scored[i])),
+            path_dlogp=max(max_dlogp(x, y) for x, y in zip(one[i].logprobs, one_scored[i]))))
     return rows, details
 
 
@@ -343,7 +344,9 @@ def check(args, path: Path, cal: dict, prompts: list[list[int]], many_path: Path
           f"{sum(r['tf_greedy'] for r in rows)}/{sum(r['n'] for r in rows)}; top-20 |dlogp| "
           f"max {dlogp:.3f} (limit {limit:.3f}; a one-layer sharding bug reaches "
           f"{cal['bug_max']:.3f} on the calibration prompt: "
-          f"{'caught' if limit < cal['bug_max'] else 'NOT resolved at this size'})", flush=True)
+          f"{'caught' if limit < cal['bug_max'] else 'NOT resolved at this size'}). For scale: "
+          f"TP=1's own decode steps vs its prefill scoring differ by up to "
+          f"{max(r['path_dlogp'] for r in rows):.3f}", flush=True)
     return ok, rows
 
 
