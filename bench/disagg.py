@@ -215,7 +215,7 @@ def _warm_up(args, router: str) -> None:
         input_len, _ = _lengths(args, mix)
         run_benchmark(BenchmarkConfig(
             router=router, concurrency=4, num_requests=args.warmup_requests,
-            input_len=input_len, output_len="8", seed=args.seed + 10**6,
+            input_len=input_len, output_len="8", seed=args.seed + MIXES.index(mix),
             timeout_s=args.ready_timeout))
 
 
@@ -230,7 +230,7 @@ def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dic
         router=router, rate=rate, num_requests=max(args.min_requests,
                                                    math.ceil(rate * args.run_seconds)),
         warmup=args.warmup, input_len=input_len, output_len=output_len,
-        seed=args.seed + 7919 * MIXES.index(mix) + round(rate * 1000),
+        seed=args.seed + 10**6 * (1 + MIXES.index(mix)) + round(rate * 1000),  # disjoint
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.request_timeout,
         show_progress=True))
     seconds = time.monotonic() - started
