@@ -16,16 +16,20 @@ Mixes: prefill-heavy (prompts 2000-4000 tokens, 32-64 out) and decode-heavy (100
 Goodput (bench/disagg_sweep.py) is DistServe's SLO-attainment goodput: the highest Poisson
 rate at which >= --attainment (90%) of the requests meet TTFT <= --slo-ttft and TPOT <=
 --slo-tpot (failed requests miss), interpolated between the last passing and the first failing
-rate. Per layout x mix an adaptive sweep finds it: from --<mix>-start-rate the rate grows by
---rate-factor while runs pass the loosest SLO reported, then the bracket is refined once; it
-also stops when the next run would overrun --sweep-seconds (goodput then a lower bound, ">=").
-A run sends max(--min-requests, rate x --run-seconds) requests after --warmup uncounted ones,
-all to max_tokens (min_tokens = max_tokens); prompts are seeded by mix and rate, so both layouts
-get the identical stream at a rate and no run hits another's prefix cache. Workers are idle
-before each run. The report: one line per run (attainment, TTFT/TPOT percentiles, router CPU
-share: a router near 100% is the bottleneck, not the GPUs), then per mix each layout's goodput
-and the ratio disaggregated / aggregated, for the SLO given and for each TPOT SLO of
---tpot-grid (same runs), then how long each phase took.
+rate. The TTFT SLO (1 s: >10x an H200's bare TTFT of a 4k-token prompt) is also what reveals
+overload in a short run, as a growing queue. Per layout x mix an adaptive sweep finds the
+goodput: from --<mix>-start-rate the rate grows by --rate-factor while runs pass the loosest
+SLO reported, then the bracket is refined once; it stops early when the next run would overrun
+--sweep-seconds (the goodput is then a lower bound, ">="). A run sends max(--min-requests,
+rate x --run-seconds) requests after --warmup uncounted ones, each to max_tokens (min_tokens =
+max_tokens); prompts are seeded by mix and rate, so both layouts get the identical stream at a
+rate and no run hits another's prefix cache. Workers are idle before each run.
+
+The report: one line per run (SLO attainment, "kept up" = completions / arrivals over the run's
+second half, TTFT/TPOT percentiles, CPU share of the router and of this client process: near
+100% means Python, not the GPUs, is the limit), then per mix each layout's goodput and the ratio
+disaggregated / aggregated for each TPOT SLO of --tpot-grid plus --slo-tpot (all from the same
+runs), then how long each phase took. --out writes every run with per-request samples.
 
 What to expect: the scheduler is prefill-first, so on an aggregated worker every arriving prompt
 stalls the decodes in flight for its prefill (~50 ms per 2k-token chunk, 8B on an H200): TPOT
@@ -33,7 +37,8 @@ grows with the prefill load while both GPUs share the prefill work. Disaggregate
 never interrupted, but one GPU does all the prefill (prefill-heavy) or all the decode
 (decode-heavy). So disaggregation wins where a tight TPOT SLO is what aggregated serving misses,
 and loses where one device's raw capacity is the limit: the TPOT grid shows where the ratio
-crosses 1. Short runs (--quick: 6 s of arrivals) show overload late, biasing every goodput up.
+crosses 1. Short runs show overload late: a throughput-bound goodput may be overrated by up to
+TTFT SLO / (0.9 x --run-seconds), 14% with --quick (printed with the table; disagg_sweep.py).
 Process logs go to a temporary folder (kept on failure or with --keep-logs).
 """
 from __future__ import annotations
@@ -53,7 +58,7 @@ from tandem.bench.config import BenchmarkConfig
 from tandem.bench.disagg_report import format_report, run_row, summarize
 from tandem.bench.disagg_stack import (LocalStack, StackFailure, build_tiny_checkpoint,
                                        write_tokenizer)
-from tandem.bench.disagg_sweep import RatePoint, RateSweep, attainment, samples_of
+from tandem.bench.disagg_sweep import RatePoint, RateSweep, attainment, kept_up, samples_of
 from tandem.bench.runner import BenchmarkError, run_benchmark
 
 __all__ = ["LAYOUTS", "MIXES", "build_parser", "layout_workers", "main", "resolve"]
@@ -69,10 +74,11 @@ DEFAULTS = {
     "gpu": {**_GPU, "prefill_heavy_start_rate": 4.0, "decode_heavy_start_rate": 8.0,
             "rate_factor": 1.4, "run_seconds": 15.0, "min_requests": 30, "warmup": 4,
             "sweep_seconds": 180.0},
-    # Sized for 2 H200s: 2 stack starts + warm-ups (~1 min) and 4 sweeps of <= 70 s.
+    # Sized for 2 H200s: model folder, 2 x (stack start, warm-up, stop) ~1.5 min, and 4 sweeps
+    # of <= 65 s (+ the last run's overshoot): ~5.5-6.5 min in all.
     "quick": {**_GPU, "prefill_heavy_start_rate": 5.0, "decode_heavy_start_rate": 12.0,
-              "rate_factor": 1.6, "run_seconds": 6.0, "min_requests": 12, "warmup": 2,
-              "sweep_seconds": 70.0},
+              "rate_factor": 1.6, "run_seconds": 8.0, "min_requests": 16, "warmup": 2,
+              "sweep_seconds": 65.0},
     "smoke": {"devices": "cpu,cpu", "dtype": "float32", "kernels": "torch",
               "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 8,
               "prefill_heavy_input": "uniform:48:96", "prefill_heavy_output": "uniform:2:3",
@@ -119,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time allowance of one layout x mix sweep")
     p.add_argument("--request-timeout", type=float, metavar="S",
                    help="deadline of each request (an overloaded run still ends)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, metavar="S", help="default 2 s")
+    p.add_argument("--slo-ttft", type=float, default=1.0, metavar="S", help="default 1 s")
     p.add_argument("--slo-tpot", type=float, default=0.05, metavar="S", help="default 0.05 s")
     p.add_argument("--tpot-grid", default="0.01,0.015,0.025,0.05", metavar="S1,S2",
                    help="TPOT SLOs (s) for the sensitivity table (the --slo-tpot is added)")
@@ -209,7 +215,7 @@ def _warm_up(args, router: str) -> None:
         input_len, _ = _lengths(args, mix)
         run_benchmark(BenchmarkConfig(
             router=router, concurrency=4, num_requests=args.warmup_requests,
-            input_len=input_len, output_len="8", seed=args.seed + 10**6,
+            input_len=input_len, output_len="8", seed=args.seed + MIXES.index(mix),
             timeout_s=args.ready_timeout))
 
 
@@ -224,7 +230,7 @@ def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dic
         router=router, rate=rate, num_requests=max(args.min_requests,
                                                    math.ceil(rate * args.run_seconds)),
         warmup=args.warmup, input_len=input_len, output_len=output_len,
-        seed=args.seed + 7919 * MIXES.index(mix) + round(rate * 1000),
+        seed=args.seed + 10**6 * (1 + MIXES.index(mix)) + round(rate * 1000),  # disjoint
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.request_timeout,
         show_progress=True))
     seconds = time.monotonic() - started
@@ -233,6 +239,7 @@ def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dic
     samples = samples_of(result.records)
     row = run_row(result.stats)
     row.update(attainment=attainment(samples, args.slo_ttft, args.slo_tpot), seconds=seconds,
+               kept_up=kept_up(result.records),
                client_cpu=(_client_cpu_seconds() - client_before) / seconds,
                router_cpu=None if cpu_before is None or cpu_after is None
                else (cpu_after - cpu_before) / seconds)
@@ -267,8 +274,10 @@ def sweep(args, stack: LocalStack, router: str, layout: str, mix: str) -> list[d
         run.update(layout=layout, mix=mix)
         runs.append(run)
         points.append(RatePoint(rate, run["samples"], run["row"]["seconds"]))
+        kept = run["row"]["kept_up"]
         _log(f"{layout} / {mix} / {rate:.3g} req/s: {run['row']['attainment']:.0%} met the "
-             f"SLO, {run['row']['seconds']:.1f} s")
+             f"SLO, kept up {'n/a' if kept is None else f'{kept:.0%}'}, "
+             f"{run['row']['seconds']:.1f} s")
     return runs
 
 

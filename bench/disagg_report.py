@@ -55,7 +55,8 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 def format_report(result: dict) -> str:
     """The fixed-width report: runs, goodput and ratios, phase times."""
     config = result["config"]
-    header = (f"{'mix':<14}{'layout':<14}{'rate':>6}{'n':>5}{'SLO met':>8}{'TTFT p50':>9}"
+    header = (f"{'mix':<14}{'layout':<14}{'rate':>6}{'n':>5}{'SLO met':>8}{'kept up':>8}"
+              f"{'TTFT p50':>9}"
               f"{'p90':>7}{'TPOT p50':>9}{'p90':>6}{'p99':>6}{'req/s':>7}{'tok/s':>7}"
               f"{'err':>4}{'router':>7}{'client':>7}{'secs':>6}")
     title = (f" Disaggregated vs aggregated: {result['model']} on {config['devices']}; SLO TTFT "
@@ -68,20 +69,25 @@ def format_report(result: dict) -> str:
         row = run["row"]
         cpu = "n/a" if row.get("router_cpu") is None else f"{row['router_cpu']:.0%}"
         client = "n/a" if row.get("client_cpu") is None else f"{row['client_cpu']:.0%}"
+        kept = "n/a" if row.get("kept_up") is None else f"{row['kept_up']:.0%}"
         lines.append(
             f"{run['mix']:<14}{run['layout']:<14}{run['rate']:>6.3g}{row['num_requests']:>5}"
-            f"{row['attainment']:>8.0%}{_fmt(row['ttft_ms']['p50']):>9}"
+            f"{row['attainment']:>8.0%}{kept:>8}{_fmt(row['ttft_ms']['p50']):>9}"
             f"{_fmt(row['ttft_ms']['p90']):>7}{_fmt(row['tpot_ms']['p50'], 1):>9}"
             f"{_fmt(row['tpot_ms']['p90'], 1):>6}{_fmt(row['tpot_ms']['p99'], 1):>6}"
             f"{_fmt(row['request_throughput'], 2):>7}{_fmt(row['output_token_throughput']):>7}"
             f"{row['num_errors']:>4}{cpu:>7}{client:>7}{row['seconds']:>6.1f}")
     lines.append("-" * len(header))
     target = config.get("attainment", 0.9)
+    bias = config["slo_ttft"] / (0.9 * config["run_seconds"]) if config.get("run_seconds") \
+        else float("nan")
     lines.append(f"goodput: the highest Poisson rate (req/s) at which >= {target:.0%} of "
-                 f"requests meet TTFT <= {config['slo_ttft']:g} s and the TPOT SLO")
+                 f"requests meet TTFT <= {config['slo_ttft']:g} s and the TPOT SLO; runs this "
+                 f"short overrate a throughput-bound goodput by up to {bias:.0%}")
     lines.append("(interpolated between the last passing and first failing rate; '>=': no "
-                 "failing rate reached; '<': the lowest rate failed); router, client: CPU "
-                 "share of the router process and of this one (near 100%: the bottleneck)")
+                 "failing rate reached; '<': the lowest rate failed); kept up: completions / "
+                 "arrivals over a run's second half (~1 while keeping pace); router, client: "
+                 "CPU share of the router process and of this one (near 100%: the bottleneck)")
     lines.append(f"{'mix':<14}{'TPOT SLO':>9}{'disaggregated':>15}{'aggregated':>12}"
                  f"{'disagg/agg':>12}")
     for mix, summary in result["summary"].items():

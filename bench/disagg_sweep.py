@@ -6,9 +6,18 @@ Definitions (the "SLO attainment" goodput of DistServe, OSDI '24):
                     a one-token request has no TPOT and meets that part).
   goodput           the highest Poisson rate whose run attains >= `target` (0.9): sweeping the
                     rates in increasing order, the last passing rate below the first failing
-                    one, linearly interpolated in attainment between the two (so a coarse rate
+                    one, interpolated linearly in attainment between the two (so a coarse rate
                     grid does not quantize the ratio). No failing rate: goodput >= the highest
                     rate run ("at least"); no passing rate: < the lowest ("below").
+  kept up           (reported, not part of goodput) completions / arrivals over the second half
+                    of a run's arrivals: about 1 while the stack keeps pace, 1/k at k-fold
+                    overload; noisy (+-10-15%) in runs a few request lifetimes long.
+
+Short runs bias a throughput-bound goodput up: at k-fold overload a request arriving t seconds
+into the run queues about (k - 1) t, so with --run-seconds D and a TTFT SLO S the run still
+attains 90% up to k = 1 + S / (0.9 D) (S = 1 s, D = 8 s: 14%). A TPOT-bound layout has no such
+bias (TPOT grows with load at once), so a ratio between a throughput-bound and a TPOT-bound
+layout can be off by up to that much; longer runs shrink it.
 
 The sweep (RateSweep) is adaptive: it starts at `start` and multiplies the rate by `factor`
 while runs pass the stop SLO, then refines the bracket once at its geometric mean; if the
@@ -23,7 +32,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Goodput", "RatePoint", "RateSweep", "attainment", "goodput", "samples_of"]
+__all__ = ["Goodput", "RatePoint", "RateSweep", "attainment", "goodput", "kept_up",
+           "ratio", "samples_of"]
 
 
 @dataclass(slots=True)
@@ -32,6 +42,19 @@ class RatePoint:
     rate: float
     samples: list[tuple[float | None, float | None, bool]]
     seconds: float = 0.0
+
+
+def kept_up(records) -> float | None:
+    """Completions / arrivals of measured requests between the median and the last arrival
+    (the module docstring's "kept up"); None with fewer than 8 measured requests."""
+    measured = [r for r in records if not r.is_warmup]
+    starts = sorted(r.start_s for r in measured)
+    if len(starts) < 8 or starts[-1] <= starts[len(starts) // 2]:
+        return None
+    begin, end = starts[len(starts) // 2], starts[-1]
+    arrived = sum(begin <= s <= end for s in starts)
+    done = sum(r.is_ok and begin <= r.end_s <= end for r in measured)
+    return done / arrived
 
 
 def samples_of(records) -> list[tuple[float | None, float | None, bool]]:
@@ -64,22 +87,26 @@ class Goodput:
         return "n/a"
 
 
+def score(point: RatePoint, slo_ttft_s: float, slo_tpot_s: float, target: float) -> float:
+    """>= 1 when the run passes: attainment / target."""
+    return attainment(point.samples, slo_ttft_s, slo_tpot_s) / target
+
+
 def goodput(points: Sequence[RatePoint], slo_ttft_s: float, slo_tpot_s: float,
             target: float = 0.9) -> Goodput:
     """The module docstring's goodput over the runs in `points` (any order)."""
     if not points:
         return Goodput(None, "none")
-    ordered = sorted(points, key=lambda p: p.rate)
     passing = None
-    for point in ordered:
-        value = attainment(point.samples, slo_ttft_s, slo_tpot_s)
-        if value >= target:
+    for point in sorted(points, key=lambda p: p.rate):
+        value = score(point, slo_ttft_s, slo_tpot_s, target)
+        if value >= 1:
             passing = (point.rate, value)
             continue
         if passing is None:
             return Goodput(None, "below", None, point.rate)
-        (low, a_low), (high, a_high) = passing, (point.rate, value)
-        rate = low + (a_low - target) / (a_low - a_high) * (high - low)
+        (low, s_low), (high, s_high) = passing, (point.rate, value)
+        rate = low + (s_low - 1) / (s_low - s_high) * (high - low)
         return Goodput(rate, "bracketed", low, high)
     return Goodput(passing[0], "at least", passing[0], None)
 

@@ -14,8 +14,8 @@ import pytest
 
 from tandem.bench.disagg import DEFAULTS, build_parser, layout_workers, resolve
 from tandem.bench.disagg_report import format_report, run_row, summarize
-from tandem.bench.disagg_sweep import (RatePoint, RateSweep, attainment, goodput, ratio,
-                                       samples_of)
+from tandem.bench.disagg_sweep import (RatePoint, RateSweep, attainment, goodput, kept_up,
+                                       ratio, samples_of)
 from tandem.bench.records import RequestRecord
 from tandem.bench.report import compute_stats
 
@@ -186,3 +186,12 @@ def test_cpu_smoke_sweeps_both_layouts_and_mixes_end_to_end(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("=====") and lines[-2].startswith("phases (")
     print(f"cpu smoke took {elapsed:.1f} s")
+
+
+def test_kept_up_compares_completions_with_arrivals_over_the_second_half():
+    steady = [record(i, i * 0.1, [i * 0.1 + 0.05, i * 0.1 + 0.08]) for i in range(40)]
+    assert kept_up(steady) == pytest.approx(19 / 21, abs=0.06)  # the last one is in flight
+    # Service at half the arrival rate: a queue grows, completions lag.
+    behind = [record(i, i * 0.1, [i * 0.2 + 0.05, i * 0.2 + 0.08]) for i in range(40)]
+    assert kept_up(behind) < 0.6
+    assert kept_up(steady[:5]) is None
