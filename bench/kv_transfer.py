@@ -10,9 +10,14 @@
    heads, head 128, block 16, bf16: 2 MiB per block over all layers, K and V) and serves the
    real KVTransferServicer on 127.0.0.1 with pinned handles of 1..128 scattered blocks. This
    process pulls them into scattered blocks of a cache on cuda:1:
-     grpc          pull_kv: iter_payload_chunks -> gRPC stream -> PayloadWriter (host staging)
-     cuda-ipc      KVReceiver.pull: LeaseKV RPC + the GPU-to-GPU copy from the mapped cache
-     cuda-ipc copy copy_blocks alone (CUDA events): the data path without the lease RPC
+     grpc           pull_kv: iter_payload_chunks -> gRPC stream -> PayloadWriter (host staging)
+     cuda-ipc       KVReceiver.pull of a handle that names its blocks and lease deadline (as a
+                    prefill worker's handles do): the one-pass GPU-to-GPU gather, no RPC
+     cuda-ipc-lease the same pull of a handle without them: a LeaseKV RPC first
+     cuda-ipc-copy  BlockCopier.copy alone (CUDA events): the data path
+   Then `--concurrency` pulls of one size at once (cuda-ipc xN rows, sizes whose N copies fit
+   in the destination cache): how fast a decode worker drains many handles, the gathers
+   queued back to back on its copy stream; GB/s counts all N handles' bytes over the wall time.
    The first pull of each backend and size lands on zeroed blocks and is checked bit for bit
    against the source's blocks (on GPU read through the source's mapped cache; on CPU against
    the same seeded fill). Then --warmup untimed pulls (1 once a pull takes over 0.25 s) and
@@ -58,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backends", help="default grpc,cuda-ipc,cuda-ipc-copy (cpu: grpc)")
+    p.add_argument("--backends",
+                   help="default grpc,cuda-ipc,cuda-ipc-lease,cuda-ipc-copy (cpu: grpc)")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="handles pulled at once for the cuda-ipc xN rows (1: none)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cell-seconds", type=float, default=4.0,
@@ -67,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.backends is None:
-        args.backends = "grpc" if args.device == "cpu" else "grpc,cuda-ipc,cuda-ipc-copy"
+        args.backends = ("grpc" if args.device == "cpu"
+                         else "grpc,cuda-ipc,cuda-ipc-lease,cuda-ipc-copy")
     if args.device == "cpu" and args.backends != "grpc":
         p.error("--device cpu measures the grpc backend only (cuda-ipc needs CUDA)")
     return args
@@ -195,7 +204,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
     channel = grpc.aio.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", 64 << 20)])
     flat = cuda_ipc.flat_caches(caches)
-    endpoint, receiver, check_peer, stacked = None, None, None, None
+    endpoint, receiver, check_peer, copier = None, None, None, None
     if on_gpu:
         export = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
             worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(layout)))
@@ -203,7 +212,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         check_peer = cuda_ipc.open_peer(export, device)  # the source's bytes, for the checks
         source_flat = check_peer.caches
         receiver = KVReceiver("cuda-ipc", layout, DirectKVBlocks(caches), caches, device, 1)
-        stacked = cuda_ipc.stacked_view(flat)
+        copier = cuda_ipc.BlockCopier(check_peer.caches, flat)
     else:  # the source filled its cache from CPU_FILL_SEED: rebuild the same bytes here
         source_caches, source_stack = make_caches(args, num_source_blocks, "cpu")
         fill_random_bits(source_stack)
@@ -213,63 +222,82 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         if on_gpu:
             torch.cuda.synchronize(device)
 
-    rows = []
-    for n in sizes:
+    def handle_for(backend: str, n: int):
         handle = worker_pb2.KVHandle(
             handle_id=f"h{n}", backend="grpc", source_address=address,
             layout=layout_to_proto(layout), num_tokens=n * args.block_size, num_blocks=n,
             transports=["cuda-ipc", "grpc"] if on_gpu else ["grpc"], cuda_ipc=endpoint)
-        src_ids = handles[handle.handle_id]
-        dst_ids = list(range(local_blocks - 1, local_blocks - 1 - 2 * n, -2))  # scattered
-        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers
-        for backend in args.backends.split(","):
-            times, cell_started, warmup = [], None, args.warmup
-            for i in range(1 + args.warmup + args.iters):
-                if i == 0:  # the first pull lands on zeroed blocks, then is checked
-                    for t in flat:
+        if backend == "cuda-ipc":  # as a prefill worker's handle: its blocks and lease
+            handle.cuda_ipc.block_ids.extend(handles[handle.handle_id])
+            handle.cuda_ipc.lease_deadline_monotonic = time.monotonic() + 3600
+        return handle
+
+    async def pull(backend: str, n: int, dst_sets: list[list[int]]) -> float:
+        """Seconds for pulling the n-block handle into each of dst_sets at once."""
+        src_ids = handles[f"h{n}"]
+        sync()
+        if backend == "cuda-ipc-copy":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            copier.copy(src_ids, dst_sets[0])
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        handle = handle_for(backend, n)
+        started = time.perf_counter()
+        if backend == "grpc":
+            await pull_kv(channel, handle, layout, DirectKVBlocks(caches), dst_sets[0], 0,
+                          timeout=600)
+        else:
+            used = await asyncio.gather(*(receiver.pull(channel, address, handle, dst_ids, 0,
+                                                        600) for dst_ids in dst_sets))
+            assert all(backend_used == "cuda-ipc" for _, backend_used in used), used
+        sync()
+        return time.perf_counter() - started
+
+    def check(label: str, n: int, dst_sets: list[list[int]]) -> None:
+        src_ids = handles[f"h{n}"]
+        for dst_ids in dst_sets:
+            for index, (s, d) in enumerate(zip(source_flat, flat)):
+                if not same_bytes(s[src_ids], d[dst_ids]):
+                    raise CheckFailed(f"{label}: bytes differ ({n} blocks, layer "
+                                      f"{index // 2}, {'KV'[index % 2]})")
+
+    cells = [(backend, n, [list(range(local_blocks - 1, local_blocks - 1 - 2 * n, -2))])
+             for n in sizes for backend in args.backends.split(",")]
+    c = args.concurrency
+    if on_gpu and c > 1 and "cuda-ipc" in args.backends.split(","):
+        cells += [("cuda-ipc", n, [list(range(j, c * n, c)) for j in range(c)])
+                  for n in sizes if c * n <= local_blocks]
+    rows = []
+    for backend, n, dst_sets in cells:
+        label = backend if len(dst_sets) == 1 else f"{backend} x{len(dst_sets)}"
+        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers * len(dst_sets)
+        times, cell_started, warmup = [], None, args.warmup
+        for i in range(1 + args.warmup + args.iters):
+            if i == 0:  # the first pull lands on zeroed blocks, then is checked
+                for t in flat:
+                    for dst_ids in dst_sets:
                         t[dst_ids] = 0
-                sync()
-                if backend == "cuda-ipc-copy":
-                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    start.record()
-                    cuda_ipc.copy_blocks(check_peer.caches, flat, src_ids, dst_ids, None,
-                                         check_peer.stacked, stacked)
-                    end.record()
-                    end.synchronize()
-                    seconds = start.elapsed_time(end) / 1e3
-                else:
-                    started = time.perf_counter()
-                    if backend == "grpc":
-                        await pull_kv(channel, handle, layout, DirectKVBlocks(caches), dst_ids,
-                                      0, timeout=600)
-                    else:
-                        _, used = await receiver.pull(channel, address, handle, dst_ids, 0, 600)
-                        assert used == "cuda-ipc", used
-                    sync()
-                    seconds = time.perf_counter() - started
-                if i == 0:
-                    for index, (s, d) in enumerate(zip(source_flat, flat)):
-                        if not same_bytes(s[src_ids], d[dst_ids]):
-                            raise CheckFailed(
-                                f"{backend}: bytes differ ({n} blocks, layer {index // 2}, "
-                                f"{'KV'[index % 2]})")
-                    cell_started = time.perf_counter()
-                    if seconds > 0.25:  # a large handle: the checked pull warmed the path
-                        warmup = min(warmup, 1)
-                elif i > warmup:
-                    times.append(seconds)
-                    if len(times) >= 3 and time.perf_counter() - cell_started > args.cell_seconds:
-                        break
-            median = statistics.median(times)
-            rows.append(dict(backend=backend, blocks=n, bytes=num_bytes, iters=len(times),
-                             latency_ms=median * 1e3, p90_ms=sorted(times)[
-                                 int(0.9 * (len(times) - 1))] * 1e3,
-                             gbps=num_bytes / median / 1e9,
-                             ratio=num_bytes / median / rate))
-            print(f"  {backend:14s} {n:4d} blocks {num_bytes / 2**20:8.1f} MiB "
-                  f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.2f} GB/s (bytes checked)",
-                  flush=True)
-    del receiver, check_peer
+            seconds = await pull(backend, n, dst_sets)
+            if i == 0:
+                check(label, n, dst_sets)
+                cell_started = time.perf_counter()
+                if seconds > 0.25:  # a large handle: the checked pull warmed the path
+                    warmup = min(warmup, 1)
+            elif i > warmup:
+                times.append(seconds)
+                if len(times) >= 3 and time.perf_counter() - cell_started > args.cell_seconds:
+                    break
+        median = statistics.median(times)
+        rows.append(dict(backend=label, blocks=n, bytes=num_bytes, iters=len(times),
+                         latency_ms=median * 1e3,
+                         p90_ms=sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+                         gbps=num_bytes / median / 1e9, ratio=num_bytes / median / rate))
+        print(f"  {label:16s} {n:4d} blocks {num_bytes / 2**20:8.1f} MiB "
+              f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.2f} GB/s (bytes checked)",
+              flush=True)
+    receiver = check_peer = copier = None  # unmap the peer before closing the channel
     await channel.close()
     return rows
 
@@ -317,10 +345,10 @@ def main(argv=None) -> int:
           f"heads x {args.head_dim} head x block {args.block_size}, {args.dtype}; copy rate "
           f"{rate / 1e9:.1f} GB/s; median of up to {args.iters} pulls; every handle's bytes "
           f"checked; {time.monotonic() - started:.0f} s in all")
-    print(f"{'backend':14s} {'blocks':>6s} {'MiB':>8s} {'n':>3s} {'ms':>9s} {'p90 ms':>9s} "
+    print(f"{'backend':16s} {'blocks':>6s} {'MiB':>8s} {'n':>3s} {'ms':>9s} {'p90 ms':>9s} "
           f"{'GB/s':>8s} {'x copy':>7s}")
     for r in rows:
-        print(f"{r['backend']:14s} {r['blocks']:6d} {r['bytes'] / 2**20:8.1f} {r['iters']:3d} "
+        print(f"{r['backend']:16s} {r['blocks']:6d} {r['bytes'] / 2**20:8.1f} {r['iters']:3d} "
               f"{r['latency_ms']:9.3f} {r['p90_ms']:9.3f} {r['gbps']:8.2f} {r['ratio']:7.3f}")
     if args.out:
         name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"

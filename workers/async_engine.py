@@ -37,6 +37,10 @@ class TokenEvent:
     num_cached_tokens: int
     queue_seconds: float  # arrival -> first scheduled
     compute_seconds: float  # first scheduled -> this token
+    # Pinned prefills: the prompt's blocks and the pin's deadline (time.monotonic()), as the
+    # engine set them when pinning; a KV handle names them (cuda-ipc needs no lease round trip).
+    kv_blocks: tuple[int, ...] = ()
+    lease_deadline: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,7 @@ class AsyncEngine:
                 self._fail_all(f"engine step failed: {exc}")
                 continue
             if updated:
-                events = [(seq.request_id, _event(seq)) for seq in updated]
+                events = [(seq.request_id, _event(seq, engine.pinned)) for seq in updated]
                 self._loop.call_soon_threadsafe(self._dispatch, events)
             self._notify(updated)
 
@@ -151,15 +155,18 @@ class AsyncEngine:
             stream.put_nowait(failure)
 
 
-def _event(seq: Sequence) -> TokenEvent:
+def _event(seq: Sequence, pinned: dict[str, float]) -> TokenEvent:
     now = time.monotonic()
+    is_pinned = seq.status is SequenceStatus.PINNED
     scheduled = seq.first_scheduled_time or seq.arrival_time
     return TokenEvent(
         token_id=seq.token_ids[-1],
         logprob=seq.logprobs[-1] if seq.sampling_params.logprobs is not None and seq.logprobs
         else None,
         finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
-        is_pinned=seq.status is SequenceStatus.PINNED,
+        is_pinned=is_pinned,
         num_cached_tokens=seq.num_prefix_hit_tokens,
         queue_seconds=scheduled - seq.arrival_time,
-        compute_seconds=now - scheduled)
+        compute_seconds=now - scheduled,
+        kv_blocks=tuple(seq.block_table) if is_pinned else (),
+        lease_deadline=pinned.get(seq.request_id, 0.0) if is_pinned else 0.0)

@@ -68,6 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
         self.cuda_ipc_endpoint = cuda_ipc_endpoint
         self._tasks: dict[str, asyncio.Task] = {}
+        self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -89,7 +90,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 response.logprob.CopyFrom(logprob_to_proto(event.logprob))
             if event.is_pinned:
                 response.kv_handle.CopyFrom(self._handle(request_id,
-                                                         len(request.prompt_token_ids)))
+                                                         len(request.prompt_token_ids), event))
             return response
         except asyncio.CancelledError:
             await self.engine.call(lambda e: e.abort(request_id))
@@ -153,6 +154,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def _background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._releases.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._releases.discard)
+
     def _begin(self, request_id: str) -> asyncio.Queue:
         self._tasks[request_id] = asyncio.current_task()
         return self.engine.open_stream(request_id)
@@ -197,14 +203,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             events.append(await self._next_event(stream, context))
         return events
 
-    def _handle(self, request_id: str, num_tokens: int) -> worker_pb2.KVHandle:
+    def _handle(self, request_id: str, num_tokens: int, event) -> worker_pb2.KVHandle:
         lease = self.engine.engine.config.kv_lease_seconds
-        return worker_pb2.KVHandle(
+        num_blocks = -(-num_tokens // self.layout.block_size)
+        handle = worker_pb2.KVHandle(
             handle_id=request_id, backend="grpc", source_address=self.address,
-            layout=layout_to_proto(self.layout), num_tokens=num_tokens,
-            num_blocks=-(-num_tokens // self.layout.block_size),
-            lease_expires_at=time.time() + lease, transports=self.kv_transports,
-            cuda_ipc=self.cuda_ipc_endpoint)
+            layout=layout_to_proto(self.layout), num_tokens=num_tokens, num_blocks=num_blocks,
+            lease_expires_at=time.time() + lease, transports=self.kv_transports)
+        if self.cuda_ipc_endpoint is not None:
+            handle.cuda_ipc.CopyFrom(self.cuda_ipc_endpoint)
+            if len(event.kv_blocks) >= num_blocks and event.lease_deadline > 0:
+                handle.cuda_ipc.block_ids.extend(event.kv_blocks[:num_blocks])
+                handle.cuda_ipc.lease_deadline_monotonic = event.lease_deadline
+        return handle
 
     async def _receive_kv(self, request, params, prompt, generated, context) -> float:
         """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
@@ -241,7 +252,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.metrics is not None:
             self.metrics.kv_transfer_time.observe(seconds)
             self.metrics.kv_transfer_bytes.inc(num_bytes)
-        await release_kv(channel, handle.handle_id)
+        # The blocks are here: release the source's pin off the critical path (its engine
+        # thread may be mid-prefill); a lost release is freed by the lease anyway.
+        self._background(release_kv(channel, handle.handle_id))
         await self.engine.call(lambda e: e.activate_prefilled(seq, handle.num_tokens))
         return seconds
 

@@ -76,14 +76,18 @@ class KVHandle(_message.Message):
     def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ...) -> None: ...
 
 class CudaIpcEndpoint(_message.Message):
-    __slots__ = ("host_id", "device_uuid", "export_id")
+    __slots__ = ("host_id", "device_uuid", "export_id", "block_ids", "lease_deadline_monotonic")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_MONOTONIC_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     device_uuid: str
     export_id: str
-    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., export_id: _Optional[str] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_deadline_monotonic: float
+    def __init__(self, host_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., export_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_deadline_monotonic: _Optional[float] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("kind", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "tp_rank", "tp_size", "index_head_dim")

@@ -1,7 +1,8 @@
 """The cuda-ipc KV backend on real GPUs.
 
 * Blocks move prefill (cuda:0, its own process) -> decode (cuda:1) bit-exactly, by the real
-  KVTransferServicer (LeaseKV, ExportKVCache) and KVReceiver, and by copy_blocks alone; the
+  KVTransferServicer (ExportKVCache, LeaseKV for handles without their blocks) and KVReceiver,
+  two pulls at once into disjoint blocks, and by copy_blocks alone; the
   grpc backend moves the same bytes (kv_transfer bench at a small size, which checks each
   handle's bytes, NaN bit patterns included: tests/unit/bench/test_kv_transfer_bench.py runs
   its grpc path on CPU).
@@ -29,12 +30,13 @@ SMALL = ["--layers", "3", "--kv-heads", "2", "--head-dim", "64", "--block-size",
 def test_blocks_move_bit_exactly_between_two_gpus(dtype, tmp_path):
     out = tmp_path / "r.json"
     assert kv_transfer.main([*SMALL, "--dtype", dtype, "--blocks", "1,3,7",
-                             "--out", str(out)]) == 0
+                             "--concurrency", "2", "--out", str(out)]) == 0
     import json
 
     rows = json.loads(out.read_text())["rows"]
     assert {(r["backend"], r["blocks"]) for r in rows} == {
-        (backend, n) for backend in ("grpc", "cuda-ipc", "cuda-ipc-copy") for n in (1, 3, 7)}
+        (backend, n) for backend in ("grpc", "cuda-ipc", "cuda-ipc-lease", "cuda-ipc-copy",
+                                     "cuda-ipc x2") for n in (1, 3, 7)}
     assert all(r["gbps"] > 0 and r["ratio"] > 0 for r in rows)
 
 

@@ -4,7 +4,8 @@ peer's cache, and copy blocks GPU to GPU (never through host memory).
     exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once
     exporter.export()                                # -> ExportKVCacheResponse (cached)
     peer = open_peer(response, local_device)         # decode worker, once per peer export_id
-    copy_blocks(peer.caches, local_caches, src_ids, dst_ids, stream)  # per handle
+    copier = BlockCopier(peer.caches, local_caches)  # once per mapping
+    copier.launch(src_ids, dst_ids, stream)          # per handle: a CUDA event to wait on
 
 Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
 
@@ -12,11 +13,12 @@ Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
   is computing. Blocks of a pinned handle are complete (the prefill step that pinned them read
   its sampled token back to the host, which waited for every kernel before it) and nobody
   writes them until ReleaseKV or the lease ends. So the decode worker reads only blocks that
-  LeaseKV returned, only while the lease it renewed lasts, and releases after its copy has
-  completed (copy_blocks returns after synchronizing its stream).
+  the handle names (CudaIpcEndpoint.block_ids, pinned until lease_deadline_monotonic on this
+  host's monotonic clock) or LeaseKV returned, only while that lease lasts, and releases after
+  its copy has completed (its event synchronized).
 * The decode worker writes only blocks it reserved and has not yet activated: the engine does
-  not touch them until activate_prefilled, which runs after copy_blocks returned.
-* Nobody writes a peer's mapped cache: the decode side only reads it (index_select).
+  not touch them until activate_prefilled, which runs after the copy's event completed.
+* Nobody writes a peer's mapped cache: the decode side only reads it.
 * A mapping lives as long as the peer's cache: the exporter's caches are allocated once per
   process; a restarted peer has a new export_id, and a mapping whose export_id differs from the
   handle's is reopened, never used.
@@ -27,8 +29,10 @@ HBM directly; the decode process creates no context on the prefill GPU.
 """
 from __future__ import annotations
 
+import math
 import socket
 import uuid
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +64,7 @@ def device_uuid(device: torch.device) -> str:
 def flat_caches(kv_caches: KVCaches) -> list[torch.Tensor]:
     """Layer-major list of cache tensors: K0, V0, K1, V1, ... (MHA), L0, L1, ... (MLA) or
     L0, I0, L1, I1, ... (sparse MLA: latent and indexer keys, which stacked_view cannot join:
-    copy_blocks then copies tensor by tensor)."""
+    BlockCopier then copies tensor by tensor)."""
     return [cache for caches in kv_caches for cache in caches]
 
 
@@ -127,7 +131,6 @@ class MappedPeer:
 
     export_id: str
     caches: list[torch.Tensor]  # layer-major, as flat_caches
-    stacked: torch.Tensor | None  # stacked_view(caches)
 
 
 def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device) -> MappedPeer:
@@ -151,33 +154,76 @@ def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device) 
             caches.append(tensor)
     except RuntimeError as exc:
         raise CudaIpcUnavailable(f"CUDA IPC open failed on cuda:{index}: {exc}") from exc
-    return MappedPeer(response.endpoint.export_id, caches, stacked_view(caches))
+    return MappedPeer(response.endpoint.export_id, caches)
 
 
-def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int],
-                dst_ids: list[int], stream: torch.cuda.Stream | None = None,
-                src_stacked: torch.Tensor | None = None,
-                dst_stacked: torch.Tensor | None = None) -> int:
-    """dst[i][dst_ids] = src[i][src_ids] for every cache tensor, on `stream` (default: the
-    current one), GPU to GPU; returns after the copy completed. Returns the bytes copied.
-    src and dst are layer-major lists on the same device (src may be a peer's mapping)."""
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} "
-                         f"destination blocks")
-    if len(src) != len(dst):
-        raise ValueError(f"copy_blocks: {len(src)} source tensors, {len(dst)} destination")
-    if not src_ids:
-        return 0
-    device = dst[0].device
-    stream = stream or torch.cuda.current_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the reserved blocks' last writers
-    with torch.cuda.stream(stream):
-        src_index = torch.tensor(src_ids, dtype=torch.long).to(device, non_blocking=True)
-        dst_index = torch.tensor(dst_ids, dtype=torch.long).to(device, non_blocking=True)
-        if src_stacked is not None and dst_stacked is not None:
-            dst_stacked.index_copy_(1, dst_index, src_stacked.index_select(1, src_index))
-        else:
-            for s, d in zip(src, dst):
-                d.index_copy_(0, dst_index, s.index_select(0, src_index))
-    stream.synchronize()
-    return len(src_ids) * sum(t[0].numel() * t.element_size() for t in dst)
+class BlockCopier:
+    """Copies blocks from one paged cache into another GPU to GPU, built once per cache pair
+    (a peer's mapping and the local cache):
+
+        copier = BlockCopier(peer.caches, local_caches)
+        done = copier.launch(src_ids, dst_ids, stream)   # queued; done: a CUDA event
+        num_bytes = copier.copy(src_ids, dst_ids)         # launch and wait
+
+    src and dst are layer-major lists (flat_caches) on one device; src may be a peer's mapping.
+    With Triton, one gather kernel per stacked cache (else one per tensor) reads each source
+    block once and writes its destination block directly; without it, index_select +
+    index_copy_ (two passes)."""
+
+    def __init__(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+        if len(src) != len(dst):
+            raise ValueError(f"copy_blocks: {len(src)} source tensors, {len(dst)} destination")
+        self.src, self.dst = src, dst
+        self.device = dst[0].device
+        self.block_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in dst)
+        src_stacked, dst_stacked = stacked_view(src), stacked_view(dst)
+        self.pairs = ([(src_stacked, dst_stacked)]
+                      if src_stacked is not None and dst_stacked is not None
+                      else [(s.unsqueeze(0), d.unsqueeze(0)) for s, d in zip(src, dst)])
+        self.gathers = None
+        from tandem.workers.ops.backend import triton_available
+
+        if triton_available():
+            from tandem.workers.ops.gpu.block_copy import BlockGather
+
+            self.gathers = [BlockGather(s, d) for s, d in self.pairs]
+
+    @property
+    def one_launch(self) -> bool:
+        return len(self.pairs) == 1
+
+    def launch(self, src_ids: list[int], dst_ids: list[int],
+               stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+        """Queues dst[i][dst_ids] = src[i][src_ids] for every tensor on `stream` (default: the
+        current one) after the work already queued on the current stream (the reserved
+        blocks' last writers); returns an event that completes with the copy."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} "
+                             f"destination blocks")
+        stream = stream or torch.cuda.current_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            if src_ids:
+                self._gather(src_ids, dst_ids)
+            done.record(stream)
+        return done
+
+    def copy(self, src_ids: list[int], dst_ids: list[int],
+             stream: torch.cuda.Stream | None = None) -> int:
+        """launch, then wait for the copy; returns the bytes copied."""
+        self.launch(src_ids, dst_ids, stream).synchronize()
+        return len(src_ids) * self.block_bytes
+
+    def _gather(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        if self.gathers is not None:
+            # Pinned, so the upload is queued, not a host wait for the stream's earlier copies.
+            ids = torch.frombuffer(array("i", src_ids + dst_ids), dtype=torch.int32)
+            ids = ids.pin_memory().to(self.device, non_blocking=True).view(2, len(src_ids))
+            for gather in self.gathers:
+                gather(ids)
+            return
+        src_index = torch.tensor(src_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        dst_index = torch.tensor(dst_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        for s, d in self.pairs:
+            d.index_copy_(1, dst_index, s.index_select(1, src_index))

@@ -5,10 +5,10 @@
 
 The caller has already checked the handle's layout (a mismatch is refused before any block is
 reserved) and releases the handle after pull returned. pull returns only after the blocks are
-written (cuda-ipc: its copy stream synchronized), so the caller may activate the request.
+written (cuda-ipc: its copy's event completed), so the caller may activate the request.
 
-cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer), reuse
-the mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
+cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer) and
+build its BlockCopier, reuse both for every handle whose export_id matches; a peer whose mapping failed is not tried
 again until its export_id changes (auto mode falls back to grpc for it, logged once).
 """
 from __future__ import annotations
@@ -30,6 +30,10 @@ from tandem.workers.kv.layout import KVLayout
 
 logger = get_logger(__name__)
 
+# A handle's own lease is used without renewal only with this much of it left; a copy takes
+# milliseconds, so this leaves room for a stalled event loop.
+LEASE_MARGIN_SECONDS = 2.0
+
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
@@ -41,19 +45,18 @@ class KVReceiver:
         self.device = device
         self.tp_size = tp_size
         self._local: list[torch.Tensor] | None = None
-        self._local_stacked = None
-        self._stream = None
-        self._peers: dict[str, object] = {}  # address -> MappedPeer
+        self._copies = None  # an ipc_copies.CoalescedCopies on this worker's copy stream
+        self._peers: dict[str, tuple] = {}  # address -> (MappedPeer, its BlockCopier)
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
         if transport.cuda_ipc_possible(mode, device.type, tp_size):
             from tandem.workers.kv import cuda_ipc
+            from tandem.workers.kv.ipc_copies import CoalescedCopies
 
             self._host_id = cuda_ipc.host_id()
             self._local = cuda_ipc.flat_caches(kv_caches)
-            self._local_stacked = cuda_ipc.stacked_view(self._local)
-            self._stream = torch.cuda.Stream(device)
+            self._copies = CoalescedCopies(torch.cuda.Stream(device))
 
     async def pull(self, channel: grpc.aio.Channel, address: str,
                    handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
@@ -68,9 +71,9 @@ class KVReceiver:
             if self._failed.get(address) == endpoint.export_id:
                 why = "mapping its cache failed before"
             else:
-                peer = await self._peer(channel, address, endpoint.export_id, timeout)
-                if peer is not None:
-                    num_bytes = await self._pull_ipc(channel, peer, handle, block_ids,
+                mapped = await self._peer(channel, address, endpoint.export_id, timeout)
+                if mapped is not None:
+                    num_bytes = await self._pull_ipc(channel, mapped[1], handle, block_ids,
                                                      start_block, timeout)
                     return num_bytes, transport.CUDA_IPC
                 why = "mapping its cache failed"
@@ -87,9 +90,9 @@ class KVReceiver:
     async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
         from tandem.workers.kv import cuda_ipc
 
-        peer = self._peers.get(address)
-        if peer is not None and peer.export_id == export_id:
-            return peer
+        known = self._peers.get(address)
+        if known is not None and known[0].export_id == export_id:
+            return known
         self._peers.pop(address, None)  # stale: the source restarted; drop the old mapping
         response = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
             worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(self.layout)),
@@ -105,29 +108,36 @@ class KVReceiver:
         if peer.export_id != export_id:
             raise ValueError(f"peer {address} exported cache {peer.export_id}, the handle "
                              f"names {export_id}: it restarted in between")
+        copier = cuda_ipc.BlockCopier(peer.caches, self._local)
         logger.info("KV from %s over cuda-ipc: mapped %d cache tensors on %s (%s)", address,
                     len(peer.caches), self.device,
-                    "one gather" if peer.stacked is not None else "per tensor")
-        self._peers[address] = peer
-        return peer
+                    "one gather" if copier.one_launch else "a gather per tensor")
+        self._peers[address] = (peer, copier)
+        return peer, copier
 
-    async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:
-        from tandem.workers.kv import cuda_ipc
-
-        started = time.monotonic()
-        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
-            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
-            timeout=timeout)
-        src_ids = list(lease.block_ids)
+    async def _pull_ipc(self, channel, copier, handle, block_ids, start_block, timeout) -> int:
+        """Copy by cuda-ipc. The handle names its pinned blocks and their deadline on this
+        host's monotonic clock; with LEASE_MARGIN_SECONDS left the copy starts at once, else
+        LeaseKV renews the pin first (and returns the blocks). Copies of handles pulled in the
+        same event-loop turn go out as one launch (ipc_copies.py)."""
+        endpoint = handle.cuda_ipc
+        if (len(endpoint.block_ids) >= handle.num_blocks and endpoint.lease_deadline_monotonic
+                - time.monotonic() > LEASE_MARGIN_SECONDS):
+            src_ids = list(endpoint.block_ids[start_block:handle.num_blocks])
+            deadline = endpoint.lease_deadline_monotonic
+        else:
+            started = time.monotonic()
+            lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
+                worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
+                timeout=timeout)
+            src_ids = list(lease.block_ids)
+            deadline = started + lease.lease_seconds
         if len(src_ids) != len(block_ids):
-            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
+            raise ValueError(f"KV handle {handle.handle_id}: source pinned {len(src_ids)} "
                              f"blocks from block {start_block}, receiver expected "
                              f"{len(block_ids)}")
-        num_bytes = await asyncio.to_thread(
-            cuda_ipc.copy_blocks, peer.caches, self._local, src_ids, list(block_ids),
-            self._stream, peer.stacked, self._local_stacked)
-        if time.monotonic() - started >= lease.lease_seconds:
-            raise ValueError(f"KV handle {handle.handle_id}: the copy outlasted the "
-                             f"{lease.lease_seconds:.0f} s lease; the blocks may have been "
-                             f"reused")
-        return num_bytes
+        await self._copies.copy(copier, src_ids, list(block_ids))
+        if time.monotonic() >= deadline:
+            raise ValueError(f"KV handle {handle.handle_id}: the copy ended after the source's "
+                             f"lease; the blocks may have been reused")
+        return len(src_ids) * copier.block_bytes

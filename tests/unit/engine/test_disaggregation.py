@@ -111,6 +111,22 @@ def test_unreleased_pin_expires_and_frees_blocks(checkpoint):
     assert prefill.num_expired_leases == 1 and not prefill.release("p")
 
 
+def test_pinned_event_names_the_blocks_and_the_lease_deadline(checkpoint):
+    """What a prefill worker's KV handle carries for cuda-ipc (no LeaseKV round trip)."""
+    from tandem.workers.async_engine import _event
+
+    prefill = LLM(checkpoint("llama").path, dtype="float32", kv_lease_seconds=5.0).engine
+    [prompt] = random_prompts([50], seed=45)
+    seq = prefill.add_request(prompt, GREEDY, "p", pin_after_prefill=True)
+    run_to_completion(prefill)
+    event = _event(seq, prefill.pinned)
+    assert event.is_pinned and len(event.kv_blocks) == 4
+    assert list(event.kv_blocks) == seq.block_table
+    assert event.lease_deadline == prefill.pinned["p"] == seq.first_token_time + 5.0
+    prefill.release("p")
+    assert _event(seq, prefill.pinned).kv_blocks == ()
+
+
 def test_abort_frees_pinned_and_receiving_requests(checkpoint):
     ckpt = checkpoint("llama")
     prefill = LLM(ckpt.path, dtype="float32").engine
