@@ -15,9 +15,11 @@
                     prefill worker's handles do): the one-pass GPU-to-GPU gather, no RPC
      cuda-ipc-lease the same pull of a handle without them: a LeaseKV RPC first
      cuda-ipc-copy  BlockCopier.copy alone (CUDA events): the data path
-   Then `--concurrency` pulls of one size at once (cuda-ipc xN rows, sizes whose N copies fit
-   in the destination cache): how fast a decode worker drains many handles, the gathers
-   queued back to back on its copy stream; GB/s counts all N handles' bytes over the wall time.
+   Then `--concurrency` N pullers of one size at once, each pulling again as soon as its last
+   pull landed, for STREAM_WINDOW_SECONDS per timed sample (cuda-ipc xN rows, sizes whose N
+   copies fit in the destination cache): how fast a loaded decode worker drains handles. Pulls
+   of one event-loop turn share a launch; the next launch is queued while the GPU copies. Its
+   ms column is the window over the pulls in it (per handle, amortized), its GB/s throughput.
    The first pull of each backend and size lands on zeroed blocks and is checked bit for bit
    against the source's blocks (on GPU read through the source's mapped cache; on CPU against
    the same seeded fill). Then --warmup untimed pulls (1 once a pull takes over 0.25 s) and
@@ -45,6 +47,7 @@ from types import SimpleNamespace
 import torch
 
 CPU_FILL_SEED = 1234
+STREAM_WINDOW_SECONDS = 0.2
 
 
 class CheckFailed(AssertionError):
@@ -248,10 +251,21 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         if backend == "grpc":
             await pull_kv(channel, handle, layout, DirectKVBlocks(caches), dst_sets[0], 0,
                           timeout=600)
-        else:
-            used = await asyncio.gather(*(receiver.pull(channel, address, handle, dst_ids, 0,
-                                                        600) for dst_ids in dst_sets))
-            assert all(backend_used == "cuda-ipc" for _, backend_used in used), used
+        elif len(dst_sets) == 1:
+            _, used = await receiver.pull(channel, address, handle, dst_sets[0], 0, 600)
+            assert used == "cuda-ipc", used
+        else:  # streamed: each puller pulls again as soon as its last pull landed
+            stop_at, pulls = started + STREAM_WINDOW_SECONDS, []
+
+            async def puller(dst_ids):
+                while not pulls or time.perf_counter() < stop_at:
+                    pulls.append((await receiver.pull(channel, address, handle, dst_ids, 0,
+                                                      600))[1])
+
+            await asyncio.gather(*(puller(dst_ids) for dst_ids in dst_sets))
+            assert set(pulls) == {"cuda-ipc"}, set(pulls)
+            sync()
+            return (time.perf_counter() - started) / len(pulls)  # per handle, amortized
         sync()
         return time.perf_counter() - started
 
@@ -272,7 +286,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
     rows = []
     for backend, n, dst_sets in cells:
         label = backend if len(dst_sets) == 1 else f"{backend} x{len(dst_sets)}"
-        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers * len(dst_sets)
+        num_bytes = n * layout.bytes_per_layer_block * layout.num_layers
         times, cell_started, warmup = [], None, args.warmup
         for i in range(1 + args.warmup + args.iters):
             if i == 0:  # the first pull lands on zeroed blocks, then is checked

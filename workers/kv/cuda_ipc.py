@@ -204,8 +204,9 @@ class BlockCopier:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            if src_ids:
-                self._gather(src_ids, dst_ids)
+            # The kernel may read host memory (the block ids) until `done` completes: the
+            # event keeps it alive, and whoever waits on the event holds it till then.
+            done.inputs = self._gather(src_ids, dst_ids) if src_ids else None
             done.record(stream)
         return done
 
@@ -215,15 +216,18 @@ class BlockCopier:
         self.launch(src_ids, dst_ids, stream).synchronize()
         return len(src_ids) * self.block_bytes
 
-    def _gather(self, src_ids: list[int], dst_ids: list[int]) -> None:
+    def _gather(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
+        """Queues the copy; returns the tensor of block ids it reads."""
         if self.gathers is not None:
-            # Pinned, so the upload is queued, not a host wait for the stream's earlier copies.
+            # Pinned host memory, which the kernel reads in place over PCIe (a few KiB): no
+            # upload to queue, and no host wait for the stream's earlier copies.
             ids = torch.frombuffer(array("i", src_ids + dst_ids), dtype=torch.int32)
-            ids = ids.pin_memory().to(self.device, non_blocking=True).view(2, len(src_ids))
+            ids = ids.pin_memory().view(2, len(src_ids))
             for gather in self.gathers:
                 gather(ids)
-            return
-        src_index = torch.tensor(src_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        dst_index = torch.tensor(dst_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            return ids
+        ids = torch.tensor([src_ids, dst_ids], dtype=torch.long).to(self.device,
+                                                                     non_blocking=True)
         for s, d in self.pairs:
-            d.index_copy_(1, dst_index, s.index_select(1, src_index))
+            d.index_copy_(1, ids[1], s.index_select(1, ids[0]))
+        return ids

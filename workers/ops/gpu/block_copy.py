@@ -16,9 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Bytes one program moves: each of 4 warps' threads issues 8 x 16-byte loads before its first
-# store, enough in flight per SM to cover NVLink latency (measured in bench/kv_transfer.py).
-CHUNK_BYTES = 16384
+# Bytes one program moves: each of 4 warps' threads issues 4 x 16-byte loads before its first
+# store. Swept on 2 H200s (cuda:1 reading cuda:0 over NVLink, 64 tensors x 32 KiB blocks;
+# bench/results/gather-explore-h200x2.log): 8-32 KiB chunks and 4-16 warps are within ~5% at
+# 256 MiB (0.93x the copy engine's 1 GiB rate); 8 KiB x 4 warps is best or tied at 16-64 MiB.
+CHUNK_BYTES = 8192
 NUM_WARPS = 4
 
 
@@ -72,7 +74,8 @@ class BlockGather:
             src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0)
 
     def __call__(self, ids: torch.Tensor) -> None:
-        """ids: int32 [2, n] contiguous on the destination's device."""
+        """ids: int32 [2, n] contiguous, on the destination's device or in pinned host memory
+        (read in place; keep it alive until the copy completed)."""
         num_pairs = ids.shape[1]
         if num_pairs == 0:
             return
