@@ -1,6 +1,7 @@
 """Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
 
-    receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size)  # worker start-up
+    receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
+                          nixl_agent)                                     # worker start-up
     num_bytes, backend = await receiver.pull(channel, handle, block_ids, start_block, timeout)
 
 The caller has already checked the handle's layout (a mismatch is refused before any block is
@@ -9,7 +10,13 @@ written (cuda-ipc: its copy stream synchronized), so the caller may activate the
 
 cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer), reuse
 the mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
-again until its export_id changes (auto mode falls back to grpc for it, logged once).
+again until its export_id changes (auto mode falls back to nixl or grpc for it, logged once).
+
+nixl per peer: ExportNixlAgent once, load the source's agent once (NixlKVAgent.add_peer), and
+reuse it for every handle whose nixl.export_id matches; a new export_id (the source restarted)
+unloads the old agent first. A peer whose agent did not load is not tried again until its
+export_id changes (auto falls back to grpc). Per handle: LeaseKV, one NIXL READ of the leased
+blocks (its wait capped by the lease), then the caller releases.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ logger = get_logger(__name__)
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
-                 device: torch.device, tp_size: int) -> None:
+                 device: torch.device, tp_size: int, nixl_agent=None) -> None:
         transport.check_kv_transfer(mode, device.type, tp_size)
         self.mode = mode
         self.layout = layout
@@ -47,6 +54,9 @@ class KVReceiver:
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
+        self.nixl = nixl_agent  # a nixl_backend.NixlKVAgent over this worker's cache, or None
+        self._nixl_peers: dict[str, object] = {}  # address -> nixl_backend.NixlPeer
+        self._nixl_failed: dict[str, str] = {}  # address -> export_id whose agent did not load
         if transport.cuda_ipc_possible(mode, device.type, tp_size):
             from tandem.workers.kv import cuda_ipc
 
@@ -61,9 +71,8 @@ class KVReceiver:
         """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError or
         transport.KVTransportUnavailable; blocks may be half written then (abort the request)."""
         endpoint = handle.cuda_ipc if handle.HasField("cuda_ipc") else None
-        backend, why = transport.choose_transport(
-            self.mode, list(handle.transports), endpoint.host_id if endpoint else "",
-            self._host_id, self.device.type, self.tp_size)
+        transports = list(handle.transports)
+        backend, why = self._choose(transports, endpoint)
         if backend == transport.CUDA_IPC:
             if self._failed.get(address) == endpoint.export_id:
                 why = "mapping its cache failed before"
@@ -77,12 +86,30 @@ class KVReceiver:
             if self.mode == transport.CUDA_IPC:
                 raise transport.KVTransportUnavailable(
                     f"--kv-transfer cuda-ipc: {why} (peer {address})")
+            # auto: what the handle offers besides cuda-ipc
+            transports = [t for t in transports or [transport.GRPC] if t != transport.CUDA_IPC]
+            backend, more = self._choose(transports, endpoint)
+            why = f"cuda-ipc: {why}" + (f"; {more}" if backend == transport.GRPC else "")
+        if backend == transport.NIXL:
+            peer, failure = await self._nixl_peer(channel, address, handle, timeout)
+            if peer is not None:
+                return await self._pull_nixl(channel, address, peer, handle, block_ids,
+                                             start_block, timeout), transport.NIXL
+            if self.mode == transport.NIXL:
+                raise transport.KVTransportUnavailable(
+                    f"--kv-transfer nixl: {failure} (peer {address})")
+            why = f"nixl: {failure}"
         if address not in self._logged:
             logger.info("KV from %s over grpc: %s", address, why)
             self._logged.add(address)
         num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
                                   start_block, timeout)
         return num_bytes, transport.GRPC
+
+    def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
+        return transport.choose_transport(
+            self.mode, transports, endpoint.host_id if endpoint else "", self._host_id,
+            self.device.type, self.tp_size, nixl_ready=self.nixl is not None)
 
     async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
         from tandem.workers.kv import cuda_ipc
@@ -130,4 +157,60 @@ class KVReceiver:
             raise ValueError(f"KV handle {handle.handle_id}: the copy outlasted the "
                              f"{lease.lease_seconds:.0f} s lease; the blocks may have been "
                              f"reused")
+        return num_bytes
+
+    async def _nixl_peer(self, channel, address: str, handle, timeout: float | None):
+        """(peer, None) with the source's agent loaded, or (None, why it cannot be)."""
+        from tandem.workers.kv import nixl_backend
+
+        export_id = handle.nixl.export_id
+        if not export_id:
+            return None, "the handle offers nixl without an endpoint"
+        peer = self._nixl_peers.get(address)
+        if peer is not None and peer.export_id == export_id:
+            return peer, None
+        if self._nixl_failed.get(address) == export_id:
+            return None, "loading its NIXL agent failed before"
+        if peer is not None:  # stale: the source restarted; never read through old metadata
+            self.nixl.remove_peer(self._nixl_peers.pop(address))
+        response = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
+            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        if response.endpoint.export_id != export_id:
+            raise ValueError(f"peer {address} exported NIXL agent "
+                             f"{response.endpoint.export_id}, the handle names {export_id}: "
+                             f"it restarted in between")
+        try:
+            peer = self.nixl.add_peer(response)
+        except nixl_backend.NixlUnavailable as exc:
+            self._nixl_failed[address] = export_id
+            log = logger.error if self.mode == transport.NIXL else logger.warning
+            log("KV from %s: nixl unavailable (%s)%s", address, exc,
+                "" if self.mode == transport.NIXL else "; falling back to grpc")
+            return None, str(exc)
+        logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors)", address,
+                    peer.agent_name, len(peer.tensors), peer.mem_type)
+        self._nixl_peers[address] = peer
+        return peer, None
+
+    async def _pull_nixl(self, channel, address, peer, handle, block_ids, start_block,
+                         timeout) -> int:
+        started = time.monotonic()
+        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
+            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
+            timeout=timeout)
+        src_ids = list(lease.block_ids)
+        if len(src_ids) != len(block_ids):
+            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
+                             f"blocks from block {start_block}, receiver expected "
+                             f"{len(block_ids)}")
+        # Read only while the lease lasts: past it the source may reuse the blocks.
+        budget = lease.lease_seconds - (time.monotonic() - started)
+        if timeout is not None:
+            budget = min(budget, timeout - (time.monotonic() - started))
+        num_bytes = await self.nixl.read_blocks(peer, src_ids, list(block_ids), budget)
+        if time.monotonic() - started >= lease.lease_seconds:
+            raise ValueError(f"KV handle {handle.handle_id}: the NIXL READ from {address} "
+                             f"outlasted the {lease.lease_seconds:.0f} s lease; the blocks may "
+                             f"have been reused")
         return num_bytes
