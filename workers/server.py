@@ -189,6 +189,8 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
     await peers.close()
+    if nixl_agent is not None:
+        nixl_agent.close()
     if lost_follower.is_set():
         raise SystemExit("tandem worker: a follower rank exited; stopped the worker")
 

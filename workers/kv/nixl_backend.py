@@ -31,6 +31,7 @@ no NIXL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -151,7 +152,8 @@ class NixlKVAgent:
         started = time.monotonic()
         regions = registration_regions(self.tensors)
         try:
-            self._registered = self._agent.register(regions, self.mem_type)
+            with self._on_device():
+                self._registered = self._agent.register(regions, self.mem_type)
         except Exception as exc:  # NIXL raises its own exception types
             raise NixlUnavailable(f"registering the KV cache ({len(regions)} {self.mem_type} "
                                   f"regions) with NIXL failed: {exc}") from exc
@@ -229,15 +231,17 @@ class NixlKVAgent:
         deadline = time.monotonic() + timeout
         xfer = None
         try:
-            xfer, state = self._agent.post_read(local_rows, self.mem_type, remote_rows,
-                                                peer.mem_type, peer.agent_name)
+            with self._on_device():
+                xfer, state = self._agent.post_read(local_rows, self.mem_type, remote_rows,
+                                                    peer.mem_type, peer.agent_name)
             delay = 0.0
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferFailed(f"{what}: not done after {timeout:.1f} s")
                 await asyncio.sleep(delay)
                 delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
-                state = self._agent.state(xfer)
+                with self._on_device():
+                    state = self._agent.state(xfer)
             if state != "DONE":
                 raise KVTransferFailed(f"{what}: NIXL reports {state}")
         except KVTransferFailed:
@@ -249,17 +253,30 @@ class NixlKVAgent:
                 self._release(xfer, what)
         return len(src_ids) * sum(t.block_bytes for t in self.tensors)
 
+    def _on_device(self):
+        """The cache's GPU as this thread's current device (its CUDA context current), for
+        UCX's CUDA calls; nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     def _release(self, xfer, what: str) -> None:
         """Frees a transfer; an unfinished one (timeout, cancelled request) is cancelled."""
         try:
-            self._agent.release(xfer)
+            with self._on_device():
+                self._agent.release(xfer)
         except Exception as exc:
             logger.error("%s: releasing the transfer failed (%s); its blocks may still be "
                          "written", what, exc)
 
     def close(self) -> None:
-        """Deregisters the cache (no transfer may be in flight)."""
-        self._agent.deregister(self._registered)
+        """Deregisters the cache, at shutdown: a peer's READ in flight then fails, as it would
+        when the process exits."""
+        try:
+            with self._on_device():
+                self._agent.deregister(self._registered)
+        except Exception as exc:  # shutting down anyway
+            logger.warning("NIXL agent %s: deregistering the cache failed: %s", self.name, exc)
 
 
 def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:
