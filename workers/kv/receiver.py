@@ -12,11 +12,8 @@ cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open
 the mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
 again until its export_id changes (auto mode falls back to nixl or grpc for it, logged once).
 
-nixl per peer: ExportNixlAgent once, load the source's agent once (NixlKVAgent.add_peer), and
-reuse it for every handle whose nixl.export_id matches; a new export_id (the source restarted)
-unloads the old agent first. A peer whose agent did not load is not tried again until its
-export_id changes (auto falls back to grpc). Per handle: LeaseKV, one NIXL READ of the leased
-blocks (its wait capped by the lease), then the caller releases.
+nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
+LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto mode.
 """
 from __future__ import annotations
 
@@ -54,9 +51,11 @@ class KVReceiver:
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
-        self.nixl = nixl_agent  # a nixl_backend.NixlKVAgent over this worker's cache, or None
-        self._nixl_peers: dict[str, object] = {}  # address -> nixl_backend.NixlPeer
-        self._nixl_failed: dict[str, str] = {}  # address -> export_id whose agent did not load
+        self.nixl = None  # a nixl_receiver.NixlReceiver when this worker has a NIXL agent
+        if nixl_agent is not None:
+            from tandem.workers.kv.nixl_receiver import NixlReceiver
+
+            self.nixl = NixlReceiver(nixl_agent, layout, mode)
         if transport.cuda_ipc_possible(mode, device.type, tp_size):
             from tandem.workers.kv import cuda_ipc
 
@@ -68,8 +67,9 @@ class KVReceiver:
     async def pull(self, channel: grpc.aio.Channel, address: str,
                    handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
                    timeout: float | None) -> tuple[int, str]:
-        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError or
-        transport.KVTransportUnavailable; blocks may be half written then (abort the request)."""
+        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError,
+        transport.KVTransportUnavailable or transport.KVTransferFailed; blocks may be half
+        written then (abort the request)."""
         endpoint = handle.cuda_ipc if handle.HasField("cuda_ipc") else None
         transports = list(handle.transports)
         backend, why = self._choose(transports, endpoint)
@@ -91,10 +91,10 @@ class KVReceiver:
             backend, more = self._choose(transports, endpoint)
             why = f"cuda-ipc: {why}" + (f"; {more}" if backend == transport.GRPC else "")
         if backend == transport.NIXL:
-            peer, failure = await self._nixl_peer(channel, address, handle, timeout)
-            if peer is not None:
-                return await self._pull_nixl(channel, address, peer, handle, block_ids,
-                                             start_block, timeout), transport.NIXL
+            num_bytes, failure = await self.nixl.pull(channel, address, handle, block_ids,
+                                                      start_block, timeout)
+            if failure is None:
+                return num_bytes, transport.NIXL
             if self.mode == transport.NIXL:
                 raise transport.KVTransportUnavailable(
                     f"--kv-transfer nixl: {failure} (peer {address})")
@@ -157,60 +157,4 @@ class KVReceiver:
             raise ValueError(f"KV handle {handle.handle_id}: the copy outlasted the "
                              f"{lease.lease_seconds:.0f} s lease; the blocks may have been "
                              f"reused")
-        return num_bytes
-
-    async def _nixl_peer(self, channel, address: str, handle, timeout: float | None):
-        """(peer, None) with the source's agent loaded, or (None, why it cannot be)."""
-        from tandem.workers.kv import nixl_backend
-
-        export_id = handle.nixl.export_id
-        if not export_id:
-            return None, "the handle offers nixl without an endpoint"
-        peer = self._nixl_peers.get(address)
-        if peer is not None and peer.export_id == export_id:
-            return peer, None
-        if self._nixl_failed.get(address) == export_id:
-            return None, "loading its NIXL agent failed before"
-        if peer is not None:  # stale: the source restarted; never read through old metadata
-            self.nixl.remove_peer(self._nixl_peers.pop(address))
-        response = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
-            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
-            timeout=timeout)
-        if response.endpoint.export_id != export_id:
-            raise ValueError(f"peer {address} exported NIXL agent "
-                             f"{response.endpoint.export_id}, the handle names {export_id}: "
-                             f"it restarted in between")
-        try:
-            peer = self.nixl.add_peer(response)
-        except nixl_backend.NixlUnavailable as exc:
-            self._nixl_failed[address] = export_id
-            log = logger.error if self.mode == transport.NIXL else logger.warning
-            log("KV from %s: nixl unavailable (%s)%s", address, exc,
-                "" if self.mode == transport.NIXL else "; falling back to grpc")
-            return None, str(exc)
-        logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors)", address,
-                    peer.agent_name, len(peer.tensors), peer.mem_type)
-        self._nixl_peers[address] = peer
-        return peer, None
-
-    async def _pull_nixl(self, channel, address, peer, handle, block_ids, start_block,
-                         timeout) -> int:
-        started = time.monotonic()
-        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
-            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
-            timeout=timeout)
-        src_ids = list(lease.block_ids)
-        if len(src_ids) != len(block_ids):
-            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
-                             f"blocks from block {start_block}, receiver expected "
-                             f"{len(block_ids)}")
-        # Read only while the lease lasts: past it the source may reuse the blocks.
-        budget = lease.lease_seconds - (time.monotonic() - started)
-        if timeout is not None:
-            budget = min(budget, timeout - (time.monotonic() - started))
-        num_bytes = await self.nixl.read_blocks(peer, src_ids, list(block_ids), budget)
-        if time.monotonic() - started >= lease.lease_seconds:
-            raise ValueError(f"KV handle {handle.handle_id}: the NIXL READ from {address} "
-                             f"outlasted the {lease.lease_seconds:.0f} s lease; the blocks may "
-                             f"have been reused")
         return num_bytes

@@ -97,6 +97,25 @@ def test_nixl_pull_skips_the_blocks_the_receiver_has_cached(source):
         assert not d[DST_IDS[:3]].view(torch.int16).any()
 
 
+def test_concurrent_first_pulls_load_the_source_agent_once(source, caplog):
+    """Two handles pulled together from a source not yet loaded: one ExportNixlAgent and
+    add_peer, both READs land."""
+    rx = Receiver("mla_indexer")
+
+    async def both():
+        return await asyncio.gather(
+            rx.pull(source, "mla_indexer", "scattered", DST_IDS),
+            rx.pull(source, "mla_indexer", "killed", [1, 2, 3]))
+
+    with caplog.at_level("INFO", logger="tandem.workers.kv.nixl_receiver"):
+        assert [backend for _, backend in asyncio.run(both())] == ["nixl", "nixl"]
+    assert sum("loaded agent" in r.getMessage() for r in caplog.records) == 1
+    expected = flat_caches(make_caches("mla_indexer", NUM_BLOCKS))
+    for s, d in zip(expected, flat_caches(rx.caches)):
+        assert same_bytes(s[HANDLES["scattered"]], d[DST_IDS])
+        assert same_bytes(s[HANDLES["killed"]], d[[1, 2, 3]])
+
+
 def test_a_layout_mismatch_is_refused_before_any_read(source):
     """An MHA receiver asks the MLA source for its agent: FAILED_PRECONDITION naming both
     kinds; a tampered export (other block sizes) is refused by add_peer."""
@@ -160,7 +179,7 @@ def test_a_read_from_a_vanished_agent_fails_with_its_name():
     try:
         rx = Receiver("mha")
         asyncio.run(rx.pull(own, "mha", "killed", [0, 1, 2]))  # loads the agent
-        peer = rx.receiver._nixl_peers[own.address("mha")]
+        peer = rx.receiver.nixl.loaded(own.address("mha"))
         own.kill()
         with pytest.raises(KVTransferFailed, match=f"from agent {peer.agent_name}"):
             asyncio.run(rx.agent.read_blocks(peer, [8, 9, 1], [3, 4, 5], timeout=5.0))
