@@ -70,7 +70,7 @@ class TensorBlocks:
 class NixlPeer:
     """Decode side: a source agent loaded into this worker's agent."""
 
-    agent_name: str  # as NIXL knows it (add_remote_agent's answer)
+    agent_name: str  # as NIXL knows it (NixlAgent.load_peer's answer)
     export_id: str
     mem_type: str
     tensors: list[TensorBlocks]  # layer-major, as cuda_ipc.flat_caches
@@ -91,19 +91,18 @@ def tensor_blocks(tensor: torch.Tensor) -> TensorBlocks:
                         device_id)
 
 
-def registration_regions(tensors: list[TensorBlocks]) -> list[tuple[int, int, int]]:
-    """(address, bytes, device id) covering every tensor's blocks, touching or overlapping
-    spans joined: caches allocated as slices of one stack register as one region."""
-    spans = sorted((t.device_id, t.base_address,
-                    t.base_address + (t.num_blocks - 1) * t.block_stride_bytes + t.block_bytes)
-                   for t in tensors)
-    regions: list[list[int]] = []
-    for device_id, start, end in spans:
-        if regions and regions[-1][0] == device_id and start <= regions[-1][2]:
-            regions[-1][2] = max(regions[-1][2], end)
-        else:
-            regions.append([device_id, start, end])
-    return [(start, end - start, device_id) for device_id, start, end in regions]
+def registration_regions(tensors: list[TensorBlocks], storages: list[int]
+                         ) -> list[tuple[int, int, int]]:
+    """(address, bytes, device id) covering every tensor's blocks. Tensors of one storage
+    (storages[i]: tensor i's storage, e.g. its data_ptr) share one region, so caches allocated
+    as slices of one stack register once; tensors of different storages never share one, as
+    a VRAM region must not straddle two allocations."""
+    spans: dict[tuple[int, int], list[int]] = {}
+    for t, storage in zip(tensors, storages, strict=True):
+        end = t.base_address + (t.num_blocks - 1) * t.block_stride_bytes + t.block_bytes
+        span = spans.setdefault((t.device_id, storage), [t.base_address, end])
+        span[0], span[1] = min(span[0], t.base_address), max(span[1], end)
+    return [(start, end - start, device_id) for (device_id, _), (start, end) in spans.items()]
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int], merge: bool = True) -> np.ndarray:
@@ -150,7 +149,8 @@ class NixlKVAgent:
         name = f"tandem-{socket.gethostname()}-{os.getpid()}-{self.export_id[:8]}"
         self._agent = NixlAgent(name)
         started = time.monotonic()
-        regions = registration_regions(self.tensors)
+        regions = registration_regions(
+            self.tensors, [t.untyped_storage().data_ptr() for t in tensors])
         try:
             with self._on_device():
                 self._registered = self._agent.register(regions, self.mem_type)

@@ -204,9 +204,11 @@ def test_descriptor_rows_cover_each_run_of_each_tensor():
         [1128, 48, 0], [1192, 48, 0]]
 
 
-def test_registration_joins_a_stack_and_keeps_separate_tensors_apart():
-    stack = [TensorBlocks(0, 100, 100, 4, 0), TensorBlocks(400, 100, 100, 4, 0)]
-    assert registration_regions(stack) == [(0, 800, 0)]
-    apart = [TensorBlocks(0, 100, 100, 4, 0), TensorBlocks(1000, 100, 100, 4, 0),
-             TensorBlocks(400, 100, 100, 4, 1)]
-    assert registration_regions(apart) == [(0, 400, 0), (1000, 400, 0), (400, 400, 1)]
+def test_registration_joins_a_stack_and_keeps_separate_storages_apart():
+    stack = [TensorBlocks(400, 100, 100, 4, 0), TensorBlocks(0, 100, 100, 4, 0)]
+    assert registration_regions(stack, [7, 7]) == [(0, 800, 0)]
+    # adjacent in memory but separate allocations: one region each
+    apart = [TensorBlocks(0, 100, 100, 4, 0), TensorBlocks(400, 100, 100, 4, 0),
+             TensorBlocks(0, 100, 60, 4, 1)]
+    assert registration_regions(apart, [1, 2, 1]) == [(0, 400, 0), (400, 400, 0),
+                                                      (0, 360, 1)]
