@@ -2,7 +2,7 @@
 
     python -m tandem.bench.kv_transfer [--blocks 1,2,4,...,128] [--iters 20] [--out r.json]
     python -m tandem.bench.kv_transfer --device cpu --layers 4 --kv-heads 2 --head-dim 64 \\
-        --block-size 4 --blocks 1,3,7           # the grpc path end to end on CPU (no GPU)
+        --block-size 4 --blocks 1,3,7 [--backends grpc,nixl]   # host caches end to end (no GPU)
 
 1. The plain copy rate: one large tensor cuda:0 -> cuda:1 (CUDA events, warm-up, median), the
    ceiling every backend is compared with (--device cpu: a host memcpy).
@@ -15,6 +15,8 @@
                     prefill worker's handles do): the one-pass GPU-to-GPU gather, no RPC
      cuda-ipc-lease the same pull of a handle without them: a LeaseKV RPC first
      cuda-ipc-copy  BlockCopier.copy alone (CUDA events): the data path
+     nixl           KVReceiver.pull: LeaseKV RPC + one NIXL READ of the leased blocks (VRAM
+                    descriptors on GPU, DRAM on CPU; the source agent is loaded once, untimed)
    Then `--concurrency` N pullers of one size at once, each pulling again as soon as its last
    pull landed, for STREAM_WINDOW_SECONDS per timed sample (cuda-ipc xN rows, sizes whose N
    copies fit in the destination cache): how fast a loaded decode worker drains handles. Pulls
@@ -30,7 +32,8 @@
 The caches hold random bit patterns, so some elements are NaNs (about 1 in 256 in bf16): the
 check compares bytes, never values (torch.equal is False on NaN == NaN). Comparing values was
 why this bench reported "grpc: bytes differ" although every byte had arrived.
-Exits 2 without two CUDA GPUs (unless --device cpu), 1 when a check fails. The default run is
+Exits 2 without two CUDA GPUs (unless --device cpu), 1 when a check fails. The nixl row needs
+the tandem[nixl] extra: --backends grpc,cuda-ipc,cuda-ipc-copy,nixl. The default run is
 sized for under 90 s on 2 H200s (each backend x size cell is capped by --cell-seconds; the
 slowest, grpc at 128 blocks, moves 256 MiB per pull). Smaller handles: --block-size 1.
 """
@@ -58,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tandem.bench.kv_transfer",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda: cuda:0 -> cuda:1 (default); cpu: both ends on the host, grpc only")
+                   help="cuda: cuda:0 -> cuda:1 (default); cpu: both ends on the host (grpc, "
+                        "nixl)")
     p.add_argument("--blocks", default="1,2,4,8,16,32,64,128",
                    help="handle sizes in blocks (comma separated)")
     p.add_argument("--layers", type=int, default=32)
@@ -67,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backends",
-                   help="default grpc,cuda-ipc,cuda-ipc-lease,cuda-ipc-copy (cpu: grpc)")
+                   help="default grpc,cuda-ipc,cuda-ipc-lease,cuda-ipc-copy (cpu: grpc); add "
+                        "nixl with the tandem[nixl] extra")
     p.add_argument("--concurrency", type=int, default=8,
                    help="handles pulled at once for the cuda-ipc xN rows (1: none)")
     p.add_argument("--iters", type=int, default=20)
@@ -77,11 +82,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the plain copy")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
+    from tandem.workers.kv.nixl_agent import is_installed
+
     if args.backends is None:
         args.backends = ("grpc" if args.device == "cpu"
                          else "grpc,cuda-ipc,cuda-ipc-lease,cuda-ipc-copy")
-    if args.device == "cpu" and args.backends != "grpc":
-        p.error("--device cpu measures the grpc backend only (cuda-ipc needs CUDA)")
+    backends = args.backends.split(",")
+    known = ("grpc", "nixl") if args.device == "cpu" else (
+        "grpc", "cuda-ipc", "cuda-ipc-lease", "cuda-ipc-copy", "nixl")
+    unknown = [b for b in backends if b not in known]
+    if unknown:
+        p.error(f"--backends {unknown[0]!r} is not one of {', '.join(known)} on "
+                f"--device {args.device}" + (" (cuda-ipc needs CUDA)" if args.device == "cpu"
+                                             else ""))
+    if "nixl" in backends and not is_installed():
+        p.error("--backends nixl needs NIXL: pip install 'tandem[nixl]'")
     return args
 
 
@@ -153,13 +168,17 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
         torch.cuda.set_device(0)
     caches, stack = make_caches(args, num_blocks, device)
     fill_random_bits(stack)
-    exporter = None
+    exporter, nixl_agent = None, None
     if device != "cpu":
         from tandem.workers.kv.cuda_ipc import CudaIpcExporter
 
         torch.cuda.synchronize()
         exporter = CudaIpcExporter(caches, KVLayout.from_kv_caches(caches))
     layout = KVLayout.from_kv_caches(caches)
+    if "nixl" in args.backends.split(","):
+        from tandem.workers.kv.nixl_backend import NixlKVAgent
+
+        nixl_agent = NixlKVAgent(caches, layout)
     engine_state = SimpleNamespace(
         pinned={h: float("inf") for h in handles},
         requests={h: SimpleNamespace(num_computed_tokens=len(ids) * args.block_size,
@@ -174,7 +193,8 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),
                                           ("grpc.max_receive_message_length", 64 << 20)])
         worker_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), exporter), server)
+            KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), exporter, nixl_agent),
+            server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         queue.put(port)
@@ -208,6 +228,15 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         ("grpc.max_receive_message_length", 64 << 20)])
     flat = cuda_ipc.flat_caches(caches)
     endpoint, receiver, check_peer, copier = None, None, None, None
+    nixl_endpoint, nixl_receiver = None, None
+    if "nixl" in args.backends.split(","):
+        from tandem.workers.kv.nixl_backend import NixlKVAgent
+
+        export = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
+            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(layout)))
+        nixl_endpoint = export.endpoint
+        nixl_receiver = KVReceiver("nixl", layout, DirectKVBlocks(caches), caches, device, 1,
+                                   NixlKVAgent(caches, layout))
     if on_gpu:
         export = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
             worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(layout)))
@@ -229,7 +258,8 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         handle = worker_pb2.KVHandle(
             handle_id=f"h{n}", backend="grpc", source_address=address,
             layout=layout_to_proto(layout), num_tokens=n * args.block_size, num_blocks=n,
-            transports=["cuda-ipc", "grpc"] if on_gpu else ["grpc"], cuda_ipc=endpoint)
+            transports=(["cuda-ipc"] if on_gpu else []) + (["nixl"] if nixl_endpoint else [])
+            + ["grpc"], cuda_ipc=endpoint, nixl=nixl_endpoint)
         if backend == "cuda-ipc":  # as a prefill worker's handle: its blocks and lease
             handle.cuda_ipc.block_ids.extend(handles[handle.handle_id])
             handle.cuda_ipc.lease_deadline_monotonic = time.monotonic() + 3600
@@ -252,8 +282,9 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
             await pull_kv(channel, handle, layout, DirectKVBlocks(caches), dst_sets[0], 0,
                           timeout=600)
         elif len(dst_sets) == 1:
-            _, used = await receiver.pull(channel, address, handle, dst_sets[0], 0, 600)
-            assert used == "cuda-ipc", used
+            pulling = nixl_receiver if backend == "nixl" else receiver
+            _, used = await pulling.pull(channel, address, handle, dst_sets[0], 0, 600)
+            assert used == backend.removesuffix("-lease"), used
         else:  # streamed: each puller pulls again as soon as its last pull landed
             stop_at, pulls = started + STREAM_WINDOW_SECONDS, []
 
@@ -311,7 +342,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         print(f"  {label:16s} {n:4d} blocks {num_bytes / 2**20:8.1f} MiB "
               f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.2f} GB/s (bytes checked)",
               flush=True)
-    receiver = check_peer = copier = None  # unmap the peer before closing the channel
+    receiver = check_peer = copier = nixl_receiver = None  # unmap before closing the channel
     await channel.close()
     return rows
 

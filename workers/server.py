@@ -27,8 +27,9 @@ from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.receiver import KVReceiver
-from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, check_kv_transfer,
-                                         offered_transports)
+from tandem.workers.kv import nixl_backend
+from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
+                                         nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
 
@@ -64,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_MODES,
                    help="how prompt KV moves between workers: auto (cuda-ipc, GPU to GPU, "
-                        "between one-rank CUDA workers on one host, else grpc) | grpc | "
-                        "cuda-ipc (required: a handle that cannot use it fails)")
+                        "between one-rank CUDA workers on one host; else nixl between "
+                        "one-rank CUDA workers when nixl is installed; else grpc) | grpc | "
+                        "cuda-ipc | nixl (required: a handle that cannot use it fails; nixl "
+                        "needs the tandem[nixl] extra, and works on CPU caches too)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (one per GPU; this one is "
@@ -109,6 +112,8 @@ async def serve(args: argparse.Namespace) -> None:
     # Before loading the model: refuse what cannot work whatever "auto" resolves to.
     check_kv_transfer(args.kv_transfer, "cpu" if args.device == "cpu" else "cuda",
                       args.tensor_parallel_size)
+    if args.kv_transfer == NIXL and not nixl_backend.is_installed():
+        raise ValueError("--kv-transfer nixl needs NIXL: pip install 'tandem[nixl]'")
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
     engine = await asyncio.to_thread(LLMEngine, config)
@@ -139,22 +144,25 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     peers = PeerChannels(tls)
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size
-    transports = offered_transports(args.kv_transfer, device.type, tp_size)
+    nixl_agent = await _nixl_agent(args.kv_transfer, engine.runner.kv_caches, layout, tp_size)
+    transports = offered_transports(args.kv_transfer, device.type, tp_size,
+                                    nixl_ready=nixl_agent is not None)
     exporter = None
     if CUDA_IPC in transports:
         from tandem.workers.kv.cuda_ipc import CudaIpcExporter
 
         exporter = CudaIpcExporter(engine.runner.kv_caches, layout)
     receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
-                          tp_size)
+                          tp_size, nixl_agent)
     logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
                        metrics, kv_receiver=receiver, kv_transports=transports,
-                       cuda_ipc_endpoint=exporter.endpoint if exporter else None), server)
+                       cuda_ipc_endpoint=exporter.endpoint if exporter else None,
+                       nixl_endpoint=nixl_agent.endpoint if nixl_agent else None), server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
-        KVTransferServicer(async_engine, layout, blocks, exporter), server)
+        KVTransferServicer(async_engine, layout, blocks, exporter, nixl_agent), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -181,8 +189,25 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
     await peers.close()
+    if nixl_agent is not None:
+        nixl_agent.close()
     if lost_follower.is_set():
         raise SystemExit("tandem worker: a follower rank exited; stopped the worker")
+
+
+async def _nixl_agent(mode: str, kv_caches, layout: KVLayout, tp_size: int):
+    """This worker's NIXL agent over its cache, or None (transport.py says when). In nixl mode
+    a failure stops the worker (ValueError); in auto it is logged and nixl is not offered."""
+    device_type = kv_caches[0][0].device.type
+    if not nixl_wanted(mode, device_type, tp_size, nixl_backend.is_installed()):
+        return None
+    try:
+        return await asyncio.to_thread(nixl_backend.NixlKVAgent, kv_caches, layout)
+    except (nixl_backend.NixlUnavailable, ValueError) as exc:
+        if mode == NIXL:
+            raise ValueError(f"--kv-transfer nixl: {exc}") from exc
+        logger.warning("KV transfer auto: not offering nixl (%s)", exc)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.grpc_backend import pull_kv, release_kv
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
-from tandem.workers.kv.transport import KVTransportUnavailable
+from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 
 logger = get_logger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -53,7 +53,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  layout: KVLayout, peers: PeerChannels, blocks: KVBlockAccess,
                  metrics: WorkerMetrics | None = None, kv_receiver=None,
                  kv_transports: list[str] | None = None,
-                 cuda_ipc_endpoint: worker_pb2.CudaIpcEndpoint | None = None) -> None:
+                 cuda_ipc_endpoint: worker_pb2.CudaIpcEndpoint | None = None,
+                 nixl_endpoint: worker_pb2.NixlEndpoint | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         self.engine = engine
@@ -67,6 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_receiver = kv_receiver  # a kv.receiver.KVReceiver; None: grpc only
         self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
         self.cuda_ipc_endpoint = cuda_ipc_endpoint
+        self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
 
@@ -209,7 +211,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         handle = worker_pb2.KVHandle(
             handle_id=request_id, backend="grpc", source_address=self.address,
             layout=layout_to_proto(self.layout), num_tokens=num_tokens, num_blocks=num_blocks,
-            lease_expires_at=time.time() + lease, transports=self.kv_transports)
+            lease_expires_at=time.time() + lease, transports=self.kv_transports,
+            nixl=self.nixl_endpoint)
         if self.cuda_ipc_endpoint is not None:
             handle.cuda_ipc.CopyFrom(self.cuda_ipc_endpoint)
             if len(event.kv_blocks) >= num_blocks and event.lease_deadline > 0:
@@ -241,7 +244,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 num_bytes, _ = await self.kv_receiver.pull(
                     channel, handle.source_address, handle, block_ids, start_block,
                     timeout=context.time_remaining())
-        except (grpc.aio.AioRpcError, ValueError, KVTransportUnavailable) as exc:
+        except (grpc.aio.AioRpcError, ValueError, KVTransportUnavailable,
+                KVTransferFailed) as exc:
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

@@ -54,7 +54,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at", "transports", "cuda_ipc")
+    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at", "transports", "cuda_ipc", "nixl")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class KVHandle(_message.Message):
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     backend: str
     source_address: str
@@ -73,7 +74,16 @@ class KVHandle(_message.Message):
     lease_expires_at: float
     transports: _containers.RepeatedScalarFieldContainer[str]
     cuda_ipc: CudaIpcEndpoint
-    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ...) -> None: ...
+    nixl: NixlEndpoint
+    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., nixl: _Optional[_Union[NixlEndpoint, _Mapping]] = ...) -> None: ...
+
+class NixlEndpoint(_message.Message):
+    __slots__ = ("agent_name", "export_id")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    export_id: str
+    def __init__(self, agent_name: _Optional[str] = ..., export_id: _Optional[str] = ...) -> None: ...
 
 class CudaIpcEndpoint(_message.Message):
     __slots__ = ("host_id", "device_uuid", "export_id", "block_ids", "lease_deadline_monotonic")
@@ -262,3 +272,37 @@ class ReleaseKVResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ExportNixlAgentRequest(_message.Message):
+    __slots__ = ("expected_layout",)
+    EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    expected_layout: KVLayout
+    def __init__(self, expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class ExportNixlAgentResponse(_message.Message):
+    __slots__ = ("endpoint", "layout", "agent_metadata", "mem_type", "tensors")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: NixlEndpoint
+    layout: KVLayout
+    agent_metadata: bytes
+    mem_type: str
+    tensors: _containers.RepeatedCompositeFieldContainer[NixlTensor]
+    def __init__(self, endpoint: _Optional[_Union[NixlEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ...) -> None: ...
+
+class NixlTensor(_message.Message):
+    __slots__ = ("base_address", "block_stride_bytes", "block_bytes", "num_blocks", "device_id")
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    base_address: int
+    block_stride_bytes: int
+    block_bytes: int
+    num_blocks: int
+    device_id: int
+    def __init__(self, base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...

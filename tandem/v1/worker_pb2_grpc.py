@@ -240,7 +240,8 @@ class Worker:
 
 class KVTransferStub:
     """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
-    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
+    this stream (grpc backend), GPU to GPU through CUDA IPC (cuda-ipc backend, one host) or by
+    NIXL READs from the source's registered cache (nixl backend, any host).
     """
 
     def __init__(self, channel):
@@ -269,11 +270,17 @@ class KVTransferStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.FromString,
                 _registered_method=True)
+        self.ExportNixlAgent = channel.unary_unary(
+                '/tandem.v1.KVTransfer/ExportNixlAgent',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
     """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
-    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
+    this stream (grpc backend), GPU to GPU through CUDA IPC (cuda-ipc backend, one host) or by
+    NIXL READs from the source's registered cache (nixl backend, any host).
     """
 
     def PullKV(self, request, context):
@@ -300,8 +307,17 @@ class KVTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LeaseKV(self, request, context):
-        """cuda-ipc: renews a handle's lease and returns its pinned block ids, which the caller may
-        read until it calls ReleaseKV or the lease ends.
+        """cuda-ipc and nixl: renews a handle's lease and returns its pinned block ids, which the
+        caller may read until it calls ReleaseKV or the lease ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportNixlAgent(self, request, context):
+        """nixl: the source's NIXL agent metadata and its registered cache tensors, fetched once per
+        peer (and again when the handle's nixl.export_id changes). FAILED_PRECONDITION on a layout
+        mismatch or when the worker does not offer nixl.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -330,6 +346,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.SerializeToString,
             ),
+            'ExportNixlAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportNixlAgent,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'tandem.v1.KVTransfer', rpc_method_handlers)
@@ -340,7 +361,8 @@ def add_KVTransferServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
     """KV transfer: the decode worker pulls pinned blocks from the prefill worker, as bytes over
-    this stream (grpc backend) or GPU to GPU through CUDA IPC (cuda-ipc backend, one host).
+    this stream (grpc backend), GPU to GPU through CUDA IPC (cuda-ipc backend, one host) or by
+    NIXL READs from the source's registered cache (nixl backend, any host).
     """
 
     @staticmethod
@@ -441,6 +463,33 @@ class KVTransfer:
             '/tandem.v1.KVTransfer/LeaseKV',
             tandem_dot_v1_dot_worker__pb2.LeaseKVRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.LeaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportNixlAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/ExportNixlAgent',
+            tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

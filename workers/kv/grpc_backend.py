@@ -1,8 +1,9 @@
 """The `grpc` KV transfer backend: the prefill worker serves its pinned blocks over a gRPC
 stream (KVTransfer service); the decode worker pulls them into blocks it reserved.
 
-The same service carries the cuda-ipc backend's control calls (ExportKVCache, LeaseKV; see
-cuda_ipc.py): the data then moves GPU to GPU, the lease and release rules stay these."""
+The same service carries the control calls of the cuda-ipc backend (ExportKVCache, LeaseKV;
+see cuda_ipc.py) and of the nixl backend (ExportNixlAgent, LeaseKV; see nixl_backend.py): the
+data then moves GPU to GPU or by NIXL READs, the lease and release rules stay these."""
 from __future__ import annotations
 
 import time
@@ -24,11 +25,12 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
 
     def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess,
-                 exporter=None) -> None:
+                 exporter=None, nixl_agent=None) -> None:
         self.engine = engine
         self.layout = layout
         self.blocks = blocks
         self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
+        self.nixl_agent = nixl_agent  # a nixl_backend.NixlKVAgent when nixl is offered
 
     async def PullKV(self, request, context):
         try:
@@ -60,6 +62,18 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 "this worker does not offer cuda-ipc (--kv-transfer grpc, no "
                                 "CUDA device, or TP > 1)")
         return self.exporter.export()
+
+    async def ExportNixlAgent(self, request, context):
+        try:
+            self.layout.check_readable_by(layout_from_proto(request.expected_layout))
+        except KVLayoutMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if self.nixl_agent is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker does not offer nixl (--kv-transfer grpc or "
+                                "cuda-ipc, nixl not installed, a CPU cache under auto, or "
+                                "TP > 1)")
+        return self.nixl_agent.export()
 
     async def LeaseKV(self, request, context):
         block_ids, lease_seconds = await self.engine.call(

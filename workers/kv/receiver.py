@@ -1,6 +1,7 @@
 """Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
 
-    receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size)  # worker start-up
+    receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
+                          nixl_agent)                                     # worker start-up
     num_bytes, backend = await receiver.pull(channel, handle, block_ids, start_block, timeout)
 
 The caller has already checked the handle's layout (a mismatch is refused before any block is
@@ -8,8 +9,12 @@ reserved) and releases the handle after pull returned. pull returns only after t
 written (cuda-ipc: its copy's event completed), so the caller may activate the request.
 
 cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer) and
-build its BlockCopier, reuse both for every handle whose export_id matches; a peer whose mapping failed is not tried
-again until its export_id changes (auto mode falls back to grpc for it, logged once).
+build its BlockCopier, reuse both for every handle whose export_id matches; a peer whose
+mapping failed is not tried again until its export_id changes (auto mode falls back to nixl or
+grpc for it, logged once).
+
+nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
+LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto mode.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ LEASE_MARGIN_SECONDS = 2.0
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
-                 device: torch.device, tp_size: int) -> None:
+                 device: torch.device, tp_size: int, nixl_agent=None) -> None:
         transport.check_kv_transfer(mode, device.type, tp_size)
         self.mode = mode
         self.layout = layout
@@ -50,6 +55,11 @@ class KVReceiver:
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
+        self.nixl = None  # a nixl_receiver.NixlReceiver when this worker has a NIXL agent
+        if nixl_agent is not None:
+            from tandem.workers.kv.nixl_receiver import NixlReceiver
+
+            self.nixl = NixlReceiver(nixl_agent, layout, mode)
         if transport.cuda_ipc_possible(mode, device.type, tp_size):
             from tandem.workers.kv import cuda_ipc
             from tandem.workers.kv.ipc_copies import CoalescedCopies
@@ -61,12 +71,12 @@ class KVReceiver:
     async def pull(self, channel: grpc.aio.Channel, address: str,
                    handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
                    timeout: float | None) -> tuple[int, str]:
-        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError or
-        transport.KVTransportUnavailable; blocks may be half written then (abort the request)."""
+        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError,
+        transport.KVTransportUnavailable or transport.KVTransferFailed; blocks may be half
+        written then (abort the request)."""
         endpoint = handle.cuda_ipc if handle.HasField("cuda_ipc") else None
-        backend, why = transport.choose_transport(
-            self.mode, list(handle.transports), endpoint.host_id if endpoint else "",
-            self._host_id, self.device.type, self.tp_size)
+        transports = list(handle.transports)
+        backend, why = self._choose(transports, endpoint)
         if backend == transport.CUDA_IPC:
             if self._failed.get(address) == endpoint.export_id:
                 why = "mapping its cache failed before"
@@ -80,12 +90,30 @@ class KVReceiver:
             if self.mode == transport.CUDA_IPC:
                 raise transport.KVTransportUnavailable(
                     f"--kv-transfer cuda-ipc: {why} (peer {address})")
+            # auto: what the handle offers besides cuda-ipc
+            transports = [t for t in transports or [transport.GRPC] if t != transport.CUDA_IPC]
+            backend, more = self._choose(transports, endpoint)
+            why = f"cuda-ipc: {why}" + (f"; {more}" if backend == transport.GRPC else "")
+        if backend == transport.NIXL:
+            num_bytes, failure = await self.nixl.pull(channel, address, handle, block_ids,
+                                                      start_block, timeout)
+            if failure is None:
+                return num_bytes, transport.NIXL
+            if self.mode == transport.NIXL:
+                raise transport.KVTransportUnavailable(
+                    f"--kv-transfer nixl: {failure} (peer {address})")
+            why = f"nixl: {failure}"
         if address not in self._logged:
             logger.info("KV from %s over grpc: %s", address, why)
             self._logged.add(address)
         num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
                                   start_block, timeout)
         return num_bytes, transport.GRPC
+
+    def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
+        return transport.choose_transport(
+            self.mode, transports, endpoint.host_id if endpoint else "", self._host_id,
+            self.device.type, self.tp_size, nixl_ready=self.nixl is not None)
 
     async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
         from tandem.workers.kv import cuda_ipc

@@ -1,26 +1,46 @@
-"""Which KV transfer backend a handle travels by: `--kv-transfer auto|grpc|cuda-ipc`.
+"""Which KV transfer backend a handle travels by: `--kv-transfer auto|grpc|cuda-ipc|nixl`.
 
-Prefill side: every handle offers "grpc"; it also offers "cuda-ipc" (with the host identity,
-device and export id in KVHandle.cuda_ipc) when the mode is not "grpc", the cache is on a CUDA
-device and the worker runs one rank (TP ranks keep their shares on separate GPUs; a TP group
-hands off over grpc, which gathers the ranks' heads).
+Prefill side: every handle offers "grpc"; it also offers
+  "cuda-ipc" (with the host identity, device and export id in KVHandle.cuda_ipc) when the mode
+             is auto or cuda-ipc, the cache is on a CUDA device and the worker runs one rank
+             (TP ranks keep their shares on separate GPUs; a TP group hands off over grpc,
+             which gathers the ranks' heads);
+  "nixl"     (with the NIXL agent's name and export id in KVHandle.nixl) when this worker
+             created a NIXL agent over its cache: always in nixl mode, and in auto mode when
+             nixl is installed, the cache is on a CUDA device and the worker runs one rank.
+             auto leaves CPU workers on grpc: a host cache gains little from NIXL, and the
+             default CPU path stays the one every test exercises.
 
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
   grpc      always grpc.
   auto      cuda-ipc when the handle offers it, the source is on this host, this worker is one
-            CUDA rank, and mapping the source's cache succeeds; otherwise grpc, with a log line.
-  cuda-ipc  as auto, but a handle that cannot go by cuda-ipc fails the request with the reason
-            instead of falling back (a deployment that asked for it wants to know).
+            CUDA rank, and mapping the source's cache succeeds; else nixl when the handle offers
+            it, this worker has a NIXL agent and loading the source's agent succeeds; otherwise
+            grpc, with one log line per peer.
+  cuda-ipc  as auto without nixl, but a handle that cannot go by cuda-ipc fails the request
+            with the reason instead of falling back (a deployment that asked for it wants to
+            know).
+  nixl      nixl only (also on one host): a handle that cannot go by nixl fails the request
+            with the reason.
+A transfer that fails once begun (a READ error, a timeout) fails the request in every mode: its
+blocks may be half written, and the caller aborts it with UNAVAILABLE naming the peer.
 """
 from __future__ import annotations
 
+AUTO = "auto"
 GRPC = "grpc"
 CUDA_IPC = "cuda-ipc"
-KV_TRANSFER_MODES = ("auto", GRPC, CUDA_IPC)
+NIXL = "nixl"
+KV_TRANSFER_MODES = (AUTO, GRPC, CUDA_IPC, NIXL)
 
 
 class KVTransportUnavailable(RuntimeError):
     """The handle cannot travel by the backend this worker requires."""
+
+
+class KVTransferFailed(RuntimeError):
+    """A transfer began and did not complete (error or timeout); the blocks it was writing
+    hold unknown bytes."""
 
 
 def check_kv_transfer(mode: str, device_type: str, tp_size: int) -> None:
@@ -30,40 +50,72 @@ def check_kv_transfer(mode: str, device_type: str, tp_size: int) -> None:
     if mode == CUDA_IPC and device_type != "cuda":
         raise ValueError(f"--kv-transfer cuda-ipc needs the KV cache on a CUDA device, not "
                          f"{device_type!r} (use auto or grpc)")
-    if mode == CUDA_IPC and tp_size != 1:
-        raise ValueError(f"--kv-transfer cuda-ipc needs --tensor-parallel-size 1 (got "
+    if mode in (CUDA_IPC, NIXL) and tp_size != 1:
+        raise ValueError(f"--kv-transfer {mode} needs --tensor-parallel-size 1 (got "
                          f"{tp_size}); TP workers hand KV off over grpc")
 
 
 def cuda_ipc_possible(mode: str, device_type: str, tp_size: int) -> bool:
-    return mode != GRPC and device_type == "cuda" and tp_size == 1
+    return mode in (AUTO, CUDA_IPC) and device_type == "cuda" and tp_size == 1
 
 
-def offered_transports(mode: str, device_type: str, tp_size: int) -> list[str]:
-    """What a prefill worker offers in its handles, preferred last-resort last."""
-    if cuda_ipc_possible(mode, device_type, tp_size):
-        return [CUDA_IPC, GRPC]
-    return [GRPC]
+def nixl_wanted(mode: str, device_type: str, tp_size: int, nixl_installed: bool) -> bool:
+    """Whether this worker should create a NIXL agent over its cache (module docstring)."""
+    if mode == NIXL:
+        return True
+    return mode == AUTO and device_type == "cuda" and tp_size == 1 and nixl_installed
+
+
+def offered_transports(mode: str, device_type: str, tp_size: int,
+                       nixl_ready: bool = False) -> list[str]:
+    """What a prefill worker offers in its handles, preferred first, grpc last.
+    nixl_ready: this worker has a NIXL agent over its cache."""
+    offered = [CUDA_IPC] if cuda_ipc_possible(mode, device_type, tp_size) else []
+    if nixl_ready and mode in (AUTO, NIXL):
+        offered.append(NIXL)
+    return [*offered, GRPC]
 
 
 def choose_transport(mode: str, transports: list[str], source_host_id: str,
-                     local_host_id: str, device_type: str, tp_size: int) -> tuple[str, str]:
+                     local_host_id: str, device_type: str, tp_size: int,
+                     nixl_ready: bool = False) -> tuple[str, str]:
     """(backend, why) for one handle on the decode side, before trying to map anything.
-    Raises KVTransportUnavailable when mode is cuda-ipc and the handle cannot use it."""
+    nixl_ready: this worker has a NIXL agent over its cache. Raises KVTransportUnavailable
+    when mode is cuda-ipc or nixl and the handle cannot use it, or when nothing is common."""
     offered = transports or [GRPC]
     if mode == GRPC:
         return GRPC, "--kv-transfer grpc"
-    if CUDA_IPC not in offered:
-        why = "the source does not offer cuda-ipc"
-    elif not source_host_id or source_host_id != local_host_id:
-        why = f"the source is on another host ({source_host_id or 'unknown'})"
-    elif not cuda_ipc_possible(mode, device_type, tp_size):
-        why = f"this worker is not one CUDA rank (device {device_type}, TP {tp_size})"
-    else:
-        return CUDA_IPC, "same host"
-    if mode == CUDA_IPC:
-        raise KVTransportUnavailable(f"--kv-transfer cuda-ipc: {why}")
+    refusals = []
+    if mode in (AUTO, CUDA_IPC):
+        why = _cuda_ipc_refusal(offered, source_host_id, local_host_id, device_type, tp_size)
+        if why is None:
+            return CUDA_IPC, "same host"
+        if mode == CUDA_IPC:
+            raise KVTransportUnavailable(f"--kv-transfer cuda-ipc: {why}")
+        refusals.append(why)
+    if mode in (AUTO, NIXL):
+        if NIXL not in offered:
+            why = "the source does not offer nixl"
+        elif not nixl_ready:
+            why = "this worker has no NIXL agent"
+        else:
+            return NIXL, "; ".join(refusals) or "--kv-transfer nixl"
+        if mode == NIXL:
+            raise KVTransportUnavailable(f"--kv-transfer nixl: {why}")
+        refusals.append(why)
+    why = "; ".join(refusals)
     if GRPC not in offered:
         raise KVTransportUnavailable(f"no common KV transfer backend: source offers "
                                      f"{offered}, {why}")
     return GRPC, why
+
+
+def _cuda_ipc_refusal(offered: list[str], source_host_id: str, local_host_id: str,
+                      device_type: str, tp_size: int) -> str | None:
+    if CUDA_IPC not in offered:
+        return "the source does not offer cuda-ipc"
+    if not source_host_id or source_host_id != local_host_id:
+        return f"the source is on another host ({source_host_id or 'unknown'})"
+    if device_type != "cuda" or tp_size != 1:
+        return f"this worker is not one CUDA rank (device {device_type}, TP {tp_size})"
+    return None

@@ -73,3 +73,50 @@ def test_the_bench_reports_a_real_difference(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(PayloadWriter, "write", corrupt)
     assert kv_transfer.main(SMALL) == 1
     assert "grpc: bytes differ (1 blocks, layer 1, V)" in capsys.readouterr().err
+
+
+def test_cpu_runs_refuse_cuda_backends():
+    with pytest.raises(SystemExit):
+        kv_transfer.parse_args(["--device", "cpu", "--backends", "grpc,cuda-ipc"])
+    assert kv_transfer.parse_args(["--device", "cpu"]).backends == "grpc"
+
+
+def _needs_nixl():
+    from tandem.workers.kv.nixl_agent import is_installed
+
+    if not is_installed():
+        pytest.skip("nixl is an optional extra (pip install 'tandem[nixl]')")
+
+
+def test_the_bench_moves_blocks_bit_exactly_over_nixl_on_cpu(tmp_path):
+    """The nixl row: LeaseKV + one NIXL READ (DRAM) per pull, from the spawned source's real
+    KVTransferServicer and NIXL agent, checked bit for bit like the grpc row."""
+    _needs_nixl()
+    out = tmp_path / "r.json"
+    assert kv_transfer.main([*SMALL, "--backends", "grpc,nixl", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["blocks"]) for r in rows] == [
+        ("grpc", 1), ("nixl", 1), ("grpc", 3), ("nixl", 3), ("grpc", 7), ("nixl", 7)]
+    assert all(r["gbps"] > 0 and r["iters"] >= 2 for r in rows)
+
+
+def test_the_nixl_check_reports_a_real_difference(monkeypatch, capsys):
+    """A READ that leaves one byte of one block wrong fails the bench's check."""
+    _needs_nixl()
+    import ctypes
+
+    from tandem.workers.kv.nixl_backend import NixlKVAgent
+
+    original = NixlKVAgent.read_blocks
+
+    async def corrupt(self, peer, src_ids, dst_ids, timeout):
+        num_bytes = await original(self, peer, src_ids, dst_ids, timeout)
+        target = self.tensors[3]  # layer 1, V (host memory: the bench runs on CPU)
+        byte = ctypes.c_uint8.from_address(target.base_address
+                                           + dst_ids[0] * target.block_stride_bytes)
+        byte.value ^= 1
+        return num_bytes
+
+    monkeypatch.setattr(NixlKVAgent, "read_blocks", corrupt)
+    assert kv_transfer.main([*SMALL, "--backends", "nixl"]) == 1
+    assert "nixl: bytes differ (1 blocks, layer 1, V)" in capsys.readouterr().err

@@ -8,8 +8,8 @@ import torch
 from tandem.v1 import worker_pb2
 from tandem.workers.kv import transport
 from tandem.workers.kv.cuda_ipc import flat_caches, host_id, stacked_view
-from tandem.workers.kv.transport import (CUDA_IPC, GRPC, KVTransportUnavailable,
-                                         check_kv_transfer, choose_transport,
+from tandem.workers.kv.transport import (CUDA_IPC, GRPC, NIXL, KVTransportUnavailable,
+                                         check_kv_transfer, choose_transport, nixl_wanted,
                                          offered_transports)
 from tandem.workers.server import build_parser
 
@@ -29,7 +29,9 @@ def test_flag_choices_and_default():
 @pytest.mark.parametrize("mode,device,tp,error", [
     ("auto", "cpu", 1, None), ("auto", "cuda", 2, None), ("grpc", "cpu", 4, None),
     ("cuda-ipc", "cuda", 1, None), ("cuda-ipc", "cpu", 1, "CUDA device"),
-    ("cuda-ipc", "cuda", 2, "tensor-parallel-size 1"), ("rdma", "cuda", 1, "not one of")])
+    ("cuda-ipc", "cuda", 2, "tensor-parallel-size 1"), ("rdma", "cuda", 1, "not one of"),
+    ("nixl", "cpu", 1, None), ("nixl", "cuda", 1, None),
+    ("nixl", "cuda", 2, "kv-transfer nixl needs --tensor-parallel-size 1")])
 def test_check_kv_transfer(mode, device, tp, error):
     if error is None:
         check_kv_transfer(mode, device, tp)
@@ -44,6 +46,73 @@ def test_offered_transports():
     assert offered_transports("grpc", "cuda", 1) == [GRPC]
     assert offered_transports("auto", "cpu", 1) == [GRPC]
     assert offered_transports("auto", "cuda", 2) == [GRPC]
+    assert offered_transports("auto", "cuda", 1, nixl_ready=True) == [CUDA_IPC, NIXL, GRPC]
+    assert offered_transports("nixl", "cuda", 1, nixl_ready=True) == [NIXL, GRPC]
+    assert offered_transports("nixl", "cpu", 1, nixl_ready=True) == [NIXL, GRPC]
+    assert offered_transports("grpc", "cuda", 1, nixl_ready=True) == [GRPC]
+    assert offered_transports("cuda-ipc", "cuda", 1, nixl_ready=True) == [CUDA_IPC, GRPC]
+
+
+@pytest.mark.parametrize("mode,device,tp,installed,wanted", [
+    ("nixl", "cpu", 1, True, True), ("nixl", "cuda", 1, False, True),  # start-up says why
+    ("auto", "cuda", 1, True, True), ("auto", "cuda", 1, False, False),
+    ("auto", "cpu", 1, True, False),  # CPU workers stay on grpc unless nixl is asked for
+    ("auto", "cuda", 2, True, False), ("grpc", "cuda", 1, True, False),
+    ("cuda-ipc", "cuda", 1, True, False)])
+def test_nixl_wanted(mode, device, tp, installed, wanted):
+    assert nixl_wanted(mode, device, tp, installed) is wanted
+
+
+def test_choose_transport_order_is_cuda_ipc_then_nixl_then_grpc():
+    every = [CUDA_IPC, NIXL, GRPC]
+    assert choose_transport("auto", every, HOST, HOST, "cuda", 1, nixl_ready=True)[0] == \
+        CUDA_IPC
+    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda", 1,
+                                    nixl_ready=True)
+    assert backend == NIXL and "another host" in why
+    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda", 1)
+    assert backend == GRPC and "another host" in why and "no NIXL agent" in why
+    backend, why = choose_transport("auto", [CUDA_IPC, GRPC], "other/boot", HOST, "cuda", 1,
+                                    nixl_ready=True)
+    assert backend == GRPC and "does not offer nixl" in why
+    assert choose_transport("grpc", every, "o", HOST, "cuda", 1, nixl_ready=True)[0] == GRPC
+    # cuda-ipc mode never takes nixl
+    with pytest.raises(KVTransportUnavailable, match="another host"):
+        choose_transport("cuda-ipc", every, "other/boot", HOST, "cuda", 1, nixl_ready=True)
+
+
+def test_nixl_mode_requires_nixl_even_on_one_host():
+    every = [CUDA_IPC, NIXL, GRPC]
+    assert choose_transport("nixl", every, HOST, HOST, "cuda", 1, nixl_ready=True) == \
+        (NIXL, "--kv-transfer nixl")
+    assert choose_transport("nixl", [NIXL], "", HOST, "cpu", 1, nixl_ready=True)[0] == NIXL
+    with pytest.raises(KVTransportUnavailable, match="--kv-transfer nixl: the source does "
+                                                     "not offer nixl"):
+        choose_transport("nixl", [CUDA_IPC, GRPC], HOST, HOST, "cuda", 1, nixl_ready=True)
+    with pytest.raises(KVTransportUnavailable, match="no NIXL agent"):
+        choose_transport("nixl", every, HOST, HOST, "cpu", 1)
+
+
+def test_handle_carries_the_nixl_endpoint_in_field_10():
+    handle = worker_pb2.KVHandle(handle_id="r", transports=[NIXL, GRPC],
+                                 nixl=worker_pb2.NixlEndpoint(agent_name="a", export_id="e"))
+    assert worker_pb2.KVHandle.DESCRIPTOR.fields_by_name["nixl"].number == 10
+    again = worker_pb2.KVHandle.FromString(handle.SerializeToString())
+    assert again.nixl.agent_name == "a" and again.nixl.export_id == "e"
+    assert not worker_pb2.KVHandle(handle_id="old").HasField("nixl")
+
+
+def test_importing_the_workers_does_not_import_nixl():
+    """nixl loads only when a worker creates an agent (a fresh interpreter checks it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tandem.workers.server, tandem.workers.kv.nixl_backend, "
+            "tandem.bench.kv_transfer; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0].startswith('nixl')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_choose_transport_prefers_cuda_ipc_on_one_host():

@@ -1,0 +1,57 @@
+"""The nixl KV backend on real GPUs ("VRAM" descriptors; UCX picks CUDA IPC between two GPUs of
+one host, RDMA between hosts).
+
+* Blocks move prefill (cuda:0, its own process) -> decode (cuda:1) bit-exactly by LeaseKV and
+  one NIXL READ (kv_transfer bench at a small size; it checks every handle's bytes).
+* A router -> prefill (cuda:0) -> decode (cuda:1, or cuda:0 with one GPU) stack with
+  --kv-transfer nixl (no fallback) gives transformers' greedy tokens and leaves no KV pinned or
+  in use.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.checkpoints import random_prompts
+from helpers.client import generate, request, worker_load
+from helpers.processes import start_stack, stop
+
+from tandem.bench import kv_transfer
+from tandem.workers.kv.nixl_agent import is_installed
+
+pytestmark = pytest.mark.skipif(not is_installed(), reason="needs the nixl extra")
+SMALL = ["--layers", "3", "--kv-heads", "2", "--head-dim", "64", "--block-size", "4",
+         "--iters", "2", "--warmup", "1", "--copy-mib", "16"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nixl_reads_blocks_bit_exactly_between_two_gpus(dtype, tmp_path):
+    out = tmp_path / "r.json"
+    assert kv_transfer.main([*SMALL, "--dtype", dtype, "--blocks", "1,3,7", "--backends",
+                             "cuda-ipc,nixl", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["backend"], r["blocks"]) for r in rows} == {
+        (backend, n) for backend in ("cuda-ipc", "nixl") for n in (1, 3, 7)}
+
+
+@pytest.mark.parametrize("decode_device", ["cuda:1", "cuda:0"])  # two GPUs; one GPU
+def test_stack_with_nixl_gives_transformers_tokens(checkpoint, tmp_path, decode_device):
+    if torch.cuda.device_count() <= torch.device(decode_device).index:
+        pytest.skip(f"needs {decode_device}")
+    ckpt = checkpoint("qwen3")
+    stack = start_stack(ckpt.path, tmp_path, worker_args=[
+        "--kernels", "torch", "--max-num-seqs", "8", "--kv-transfer", "nixl"],
+        role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", decode_device]})
+    try:
+        for prompt in random_prompts([1, 17, 33, 200], seed=92):
+            result = generate(stack.router.address, request(prompt, max_tokens=24))
+            assert result.token_ids == ckpt.greedy(prompt, 24), f"{len(prompt)}-token prompt"
+        for worker in stack.workers.values():
+            load = worker_load(worker.address)
+            assert load.kv_usage == 0 and load.num_pinned == 0
+        log = stack.workers["decode-0"].log_path.read_text()
+        assert "over nixl" in log and "VRAM" in log and "over grpc" not in log, log[-3000:]
+    finally:
+        stop(stack.processes)

@@ -1,0 +1,125 @@
+"""A prefill side for KV transfer tests: seeded CPU caches of each layout kind, pinned
+handles, and the real KVTransferServicer (with a NIXL agent) on 127.0.0.1, in its own process.
+
+    source = KVSource.start(kinds=("mha",), handles={"h": [5, 2, 3]})   # spawned process
+    source.ports["mha"], source.endpoints["mha"]                         # where, which agent
+    caches = make_caches("mha", NUM_BLOCKS)  # the same bytes, rebuilt here from the seed
+    source.kill()
+
+The engine is a stand-in with AsyncEngine.call's contract and the fields the servicer reads
+(pinned handles, their block tables, the lease): what is under test is the transfer seam.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+NUM_BLOCKS = 24
+BLOCK_SIZE = 4
+NUM_LAYERS = 3
+SEED = 99
+
+
+def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
+                ) -> list[tuple[torch.Tensor, ...]]:
+    """bf16 caches of `kind` as model runners hold them; random bit patterns (NaNs included)
+    from `seed`, or zeros when seed is None. "mha" caches are slices of one stack (one NIXL
+    region); the MLA kinds allocate every tensor apart (one region each), and "mla_indexer"
+    mixes widths."""
+    widths = {"mha": (8, 8), "mla": (24,), "mla_indexer": (24, 8)}[kind]
+    heads = 2 if kind == "mha" else 1
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if generator is not None:
+            t.view(torch.int16).random_(-2**15, 2**15, generator=generator)
+        return t
+
+    if kind == "mha":
+        stack = fill(torch.zeros((NUM_LAYERS * 2, num_blocks, BLOCK_SIZE, heads, widths[0]),
+                                 dtype=torch.bfloat16))
+        return [(stack[2 * i], stack[2 * i + 1]) for i in range(NUM_LAYERS)]
+    return [tuple(fill(torch.zeros((num_blocks, BLOCK_SIZE, heads, w), dtype=torch.bfloat16))
+                  for w in widths) for _ in range(NUM_LAYERS)]
+
+
+def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -> None:
+    import grpc
+
+    from tandem.v1 import worker_pb2_grpc
+    from tandem.workers.kv.block_access import DirectKVBlocks
+    from tandem.workers.kv.grpc_backend import KVTransferServicer
+    from tandem.workers.kv.layout import KVLayout
+    from tandem.workers.kv.nixl_backend import NixlKVAgent
+
+    pinned = {h: float("inf") for h in handles}
+    state = SimpleNamespace(
+        pinned=pinned,
+        requests={h: SimpleNamespace(num_computed_tokens=len(ids) * BLOCK_SIZE,
+                                     block_table=list(ids)) for h, ids in handles.items()},
+        config=SimpleNamespace(block_size=BLOCK_SIZE, kv_lease_seconds=30.0),
+        release=lambda h: pinned.pop(h, None) is not None)
+
+    class Engine:
+        async def call(self, fn):
+            return fn(state)
+
+    async def serve():
+        servers, ports, endpoints = [], {}, {}
+        for kind in kinds:
+            caches = make_caches(kind, NUM_BLOCKS)
+            layout = KVLayout.from_kv_caches(caches, kind=kind)
+            agent = NixlKVAgent(caches, layout)
+            server = grpc.aio.server()
+            worker_pb2_grpc.add_KVTransferServicer_to_server(
+                KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), None, agent),
+                server)
+            ports[kind] = server.add_insecure_port("127.0.0.1:0")
+            endpoints[kind] = agent.endpoint.SerializeToString()
+            await server.start()
+            servers.append(server)
+        queue.put((ports, endpoints))
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for server in servers:
+            await server.stop(0)
+
+    asyncio.run(serve())
+
+
+@dataclass
+class KVSource:
+    process: multiprocessing.Process
+    stop_event: object
+    ports: dict[str, int] = field(default_factory=dict)
+    endpoints: dict[str, bytes] = field(default_factory=dict)  # serialized NixlEndpoint
+
+    @classmethod
+    def start(cls, kinds: tuple[str, ...], handles: dict[str, list[int]]) -> KVSource:
+        ctx = multiprocessing.get_context("spawn")
+        queue, stop = ctx.Queue(), ctx.Event()
+        process = ctx.Process(target=_serve, args=(kinds, handles, queue, stop), daemon=True)
+        process.start()
+        try:
+            ports, endpoints = queue.get(timeout=120)
+        except Exception:
+            process.kill()
+            raise
+        return cls(process, stop, ports, endpoints)
+
+    def address(self, kind: str) -> str:
+        return f"127.0.0.1:{self.ports[kind]}"
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)

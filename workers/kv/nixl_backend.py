@@ -1,0 +1,285 @@
+"""The `nixl` KV transfer backend: the decode worker READs a prefill worker's pinned blocks
+through NVIDIA NIXL (UCX underneath: RDMA or TCP between hosts, shared memory or CUDA IPC on
+one host), from host ("DRAM") and GPU ("VRAM") caches alike.
+
+    agent = NixlKVAgent(kv_caches, layout)        # every nixl worker, once: registers its cache
+    agent.export()                                # prefill: -> ExportNixlAgentResponse (cached)
+    peer = agent.add_peer(response)               # decode: once per peer export_id
+    num_bytes = await agent.read_blocks(peer, src_ids, dst_ids, timeout)  # per handle
+    agent.remove_peer(peer)                       # the peer restarted (new export_id)
+
+Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
+
+* The prefill worker registers its whole cache once, at start-up, and never frees it: the
+  registered regions and the addresses it exports stay valid for the process's life. A
+  restarted source has a new agent name and export_id; a receiver never reads through the
+  metadata of an export_id other than the handle's.
+* Blocks of a pinned handle are complete (the prefill step that pinned them read its sampled
+  token back to the host) and nobody writes them until ReleaseKV or the lease ends. So the
+  decode worker READs only blocks that LeaseKV returned, only while that lease lasts (the wait
+  for completion is capped by it), and releases after the READ completed.
+* The decode worker writes only blocks it reserved and has not yet activated; read_blocks
+  returns only after NIXL reported the READ done, or after cancelling it (release of an
+  unfinished transfer aborts it), so no byte lands after the request was aborted and its
+  blocks freed.
+* Every NIXL call is made on one thread (the event loop, after construction): the agent uses
+  NIXL's unsynchronized mode.
+
+nixl is imported only when an agent is created (nixl_agent.py): importing this module needs
+no NIXL.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2
+from tandem.workers.kv.block_payload import KVCaches
+from tandem.workers.kv.layout import KVLayout
+from tandem.workers.kv.nixl_agent import MEM_TYPES, NixlAgent, NixlUnavailable, is_installed
+from tandem.workers.kv.transport import KVTransferFailed
+
+__all__ = ["NixlKVAgent", "NixlPeer", "NixlUnavailable", "TensorBlocks", "block_runs",
+           "descriptor_rows", "is_installed", "registration_regions"]
+logger = get_logger(__name__)
+MAX_POLL_SECONDS = 0.002  # longest sleep between two checks of a posted READ
+
+
+@dataclass(frozen=True)
+class TensorBlocks:
+    """Where one cache tensor's blocks are: block b is [base + b * stride, + block_bytes)."""
+
+    base_address: int
+    block_stride_bytes: int
+    block_bytes: int
+    num_blocks: int
+    device_id: int
+
+
+@dataclass
+class NixlPeer:
+    """Decode side: a source agent loaded into this worker's agent."""
+
+    agent_name: str  # as NIXL knows it (NixlAgent.load_peer's answer)
+    export_id: str
+    mem_type: str
+    tensors: list[TensorBlocks]  # layer-major, as cuda_ipc.flat_caches
+
+
+def tensor_blocks(tensor: torch.Tensor) -> TensorBlocks:
+    """A cache tensor [num_blocks, ...] whose every block is contiguous (ValueError if not)."""
+    if tensor.dim() < 2 or not tensor[0].is_contiguous():
+        raise ValueError(f"nixl: a cache tensor of shape {tuple(tensor.shape)} and strides "
+                         f"{tensor.stride()} does not keep each block contiguous")
+    block_bytes = tensor[0].numel() * tensor.element_size()
+    stride_bytes = tensor.stride(0) * tensor.element_size()
+    if stride_bytes < block_bytes:
+        raise ValueError(f"nixl: cache blocks overlap (stride {stride_bytes} < {block_bytes} "
+                         f"bytes)")
+    device_id = (tensor.device.index or 0) if tensor.device.type == "cuda" else 0
+    return TensorBlocks(tensor.data_ptr(), stride_bytes, block_bytes, tensor.shape[0],
+                        device_id)
+
+
+def registration_regions(tensors: list[TensorBlocks], storages: list[int]
+                         ) -> list[tuple[int, int, int]]:
+    """(address, bytes, device id) covering every tensor's blocks. Tensors of one storage
+    (storages[i]: tensor i's storage, e.g. its data_ptr) share one region, so caches allocated
+    as slices of one stack register once; tensors of different storages never share one, as
+    a VRAM region must not straddle two allocations."""
+    spans: dict[tuple[int, int], list[int]] = {}
+    for t, storage in zip(tensors, storages, strict=True):
+        end = t.base_address + (t.num_blocks - 1) * t.block_stride_bytes + t.block_bytes
+        span = spans.setdefault((t.device_id, storage), [t.base_address, end])
+        span[0], span[1] = min(span[0], t.base_address), max(span[1], end)
+    return [(start, end - start, device_id) for (device_id, _), (start, end) in spans.items()]
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int], merge: bool = True) -> np.ndarray:
+    """[R, 3] int64 rows (first source block, first destination block, length): maximal runs
+    where both ids go up by one together (merge=False: one row per block)."""
+    src = np.asarray(src_ids, dtype=np.int64)
+    dst = np.asarray(dst_ids, dtype=np.int64)
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if merge:
+        breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    else:
+        starts = np.arange(src.size)
+    lengths = np.diff(np.append(starts, src.size))
+    return np.stack([src[starts], dst[starts], lengths], axis=1)
+
+
+def descriptor_rows(tensors: list[TensorBlocks], first_blocks: np.ndarray,
+                    lengths: np.ndarray) -> np.ndarray:
+    """[T * R, 3] uint64 NIXL descriptors (address, bytes, device id): for each tensor, for
+    each run, the run's blocks (contiguous when the run is longer than one block)."""
+    base = np.array([t.base_address for t in tensors], dtype=np.uint64)[:, None]
+    stride = np.array([t.block_stride_bytes for t in tensors], dtype=np.uint64)[:, None]
+    size = np.array([t.block_bytes for t in tensors], dtype=np.uint64)[:, None]
+    device = np.array([t.device_id for t in tensors], dtype=np.uint64)[:, None]
+    first = first_blocks.astype(np.uint64)[None, :]
+    count = lengths.astype(np.uint64)[None, :]
+    rows = np.stack(np.broadcast_arrays(base + first * stride, count * size, device), axis=-1)
+    return np.ascontiguousarray(rows.reshape(-1, 3))
+
+
+class NixlKVAgent:
+    """One NIXL agent per worker over its own cache: exports it (prefill) and READs peers'
+    blocks into it (decode)."""
+
+    def __init__(self, kv_caches: KVCaches, layout: KVLayout) -> None:
+        tensors = [cache for caches in kv_caches for cache in caches]
+        self.layout = layout
+        self.device = tensors[0].device
+        self.mem_type = "VRAM" if self.device.type == "cuda" else "DRAM"
+        self.tensors = [tensor_blocks(t) for t in tensors]
+        self.export_id = uuid.uuid4().hex
+        name = f"tandem-{socket.gethostname()}-{os.getpid()}-{self.export_id[:8]}"
+        self._agent = NixlAgent(name)
+        started = time.monotonic()
+        regions = registration_regions(
+            self.tensors, [t.untyped_storage().data_ptr() for t in tensors])
+        try:
+            with self._on_device():
+                self._registered = self._agent.register(regions, self.mem_type)
+        except Exception as exc:  # NIXL raises its own exception types
+            raise NixlUnavailable(f"registering the KV cache ({len(regions)} {self.mem_type} "
+                                  f"regions) with NIXL failed: {exc}") from exc
+        self.name = name
+        self.endpoint = worker_pb2.NixlEndpoint(agent_name=name, export_id=self.export_id)
+        self._response: worker_pb2.ExportNixlAgentResponse | None = None
+        logger.info("NIXL agent %s: registered %d cache tensors as %d %s regions (%.2f GiB) "
+                    "in %.3f s", name, len(tensors), len(regions), self.mem_type,
+                    sum(r[1] for r in regions) / 2**30, time.monotonic() - started)
+
+    def export(self) -> worker_pb2.ExportNixlAgentResponse:
+        if self._response is None:
+            self._response = worker_pb2.ExportNixlAgentResponse(
+                endpoint=self.endpoint, layout=layout_to_proto(self.layout),
+                agent_metadata=self._agent.metadata(), mem_type=self.mem_type,
+                tensors=[worker_pb2.NixlTensor(
+                    base_address=t.base_address, block_stride_bytes=t.block_stride_bytes,
+                    block_bytes=t.block_bytes, num_blocks=t.num_blocks, device_id=t.device_id)
+                    for t in self.tensors])
+        return self._response
+
+    def add_peer(self, response: worker_pb2.ExportNixlAgentResponse) -> NixlPeer:
+        """Loads a source's agent. ValueError when its cache cannot fill this one block for
+        block; NixlUnavailable when NIXL refuses its metadata."""
+        layout_from_proto(response.layout).check_readable_by(self.layout)
+        if response.mem_type not in MEM_TYPES:
+            raise ValueError(f"nixl: the source's memory type {response.mem_type!r} is not "
+                             f"one of {', '.join(MEM_TYPES)}")
+        remote = [TensorBlocks(t.base_address, t.block_stride_bytes, t.block_bytes,
+                               t.num_blocks, t.device_id) for t in response.tensors]
+        if len(remote) != len(self.tensors):
+            raise ValueError(f"nixl: the source exports {len(remote)} cache tensors, this "
+                             f"worker has {len(self.tensors)}")
+        for i, (r, local) in enumerate(zip(remote, self.tensors)):
+            if r.block_bytes != local.block_bytes or r.num_blocks < 1 or (
+                    r.block_stride_bytes < r.block_bytes):
+                raise ValueError(f"nixl: cache tensor {i}: the source's blocks are "
+                                 f"{r.block_bytes} bytes every {r.block_stride_bytes} "
+                                 f"({r.num_blocks} blocks), this worker's "
+                                 f"{local.block_bytes}")
+        try:
+            name = self._agent.load_peer(response.agent_metadata)
+        except Exception as exc:
+            raise NixlUnavailable(f"loading NIXL agent {response.endpoint.agent_name!r} "
+                                  f"failed: {exc}") from exc
+        return NixlPeer(name, response.endpoint.export_id, response.mem_type, remote)
+
+    def remove_peer(self, peer: NixlPeer) -> None:
+        try:
+            self._agent.unload_peer(peer.agent_name)
+        except Exception as exc:  # already gone; nothing is read through it any more
+            logger.warning("removing NIXL agent %s: %s", peer.agent_name, exc)
+
+    async def read_blocks(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                          timeout: float) -> int:
+        """Local block dst_ids[i] of every cache tensor <- the peer's block src_ids[i], by one
+        NIXL READ; returns the bytes read once it completed. Raises ValueError on bad ids and
+        KVTransferFailed when the READ fails or outlasts `timeout` seconds (then cancelled)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"nixl: {len(src_ids)} source blocks for {len(dst_ids)} "
+                             f"destination blocks")
+        _check_ids("source", src_ids, min(t.num_blocks for t in peer.tensors))
+        _check_ids("destination", dst_ids, min(t.num_blocks for t in self.tensors))
+        if not src_ids:
+            return 0
+        merge = all(t.block_stride_bytes == t.block_bytes
+                    for t in (*peer.tensors, *self.tensors))
+        runs = block_runs(src_ids, dst_ids, merge)
+        remote_rows = descriptor_rows(peer.tensors, runs[:, 0], runs[:, 2])
+        local_rows = descriptor_rows(self.tensors, runs[:, 1], runs[:, 2])
+        if self.device.type == "cuda":  # kernels queued before the blocks were reserved
+            await asyncio.to_thread(torch.cuda.current_stream(self.device).synchronize)
+        what = (f"NIXL READ of {len(src_ids)} blocks ({len(local_rows)} descriptors) from "
+                f"agent {peer.agent_name}")
+        deadline = time.monotonic() + timeout
+        xfer = None
+        try:
+            with self._on_device():
+                xfer, state = self._agent.post_read(local_rows, self.mem_type, remote_rows,
+                                                    peer.mem_type, peer.agent_name)
+            delay = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVTransferFailed(f"{what}: not done after {timeout:.1f} s")
+                await asyncio.sleep(delay)
+                delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
+                with self._on_device():
+                    state = self._agent.state(xfer)
+            if state != "DONE":
+                raise KVTransferFailed(f"{what}: NIXL reports {state}")
+        except KVTransferFailed:
+            raise
+        except Exception as exc:  # NIXL's errors: unknown agent, bad descriptors, ...
+            raise KVTransferFailed(f"{what}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if xfer is not None:
+                self._release(xfer, what)
+        return len(src_ids) * sum(t.block_bytes for t in self.tensors)
+
+    def _on_device(self):
+        """The cache's GPU as this thread's current device (its CUDA context current), for
+        UCX's CUDA calls; nothing on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def _release(self, xfer, what: str) -> None:
+        """Frees a transfer; an unfinished one (timeout, cancelled request) is cancelled."""
+        try:
+            with self._on_device():
+                self._agent.release(xfer)
+        except Exception as exc:
+            logger.error("%s: releasing the transfer failed (%s); its blocks may still be "
+                         "written", what, exc)
+
+    def close(self) -> None:
+        """Deregisters the cache, at shutdown: a peer's READ in flight then fails, as it would
+        when the process exits."""
+        try:
+            with self._on_device():
+                self._agent.deregister(self._registered)
+        except Exception as exc:  # shutting down anyway
+            logger.warning("NIXL agent %s: deregistering the cache failed: %s", self.name, exc)
+
+
+def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"nixl: {side} block {bad[0]} is outside [0, {num_blocks})")

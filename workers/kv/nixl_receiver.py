@@ -1,0 +1,116 @@
+"""Decode side of the nixl backend: per source, its NIXL agent loaded once; per handle, the
+lease and one READ.
+
+    nixl = NixlReceiver(agent, layout, mode)       # worker start-up, with its NixlKVAgent
+    num_bytes, failure = await nixl.pull(channel, address, handle, block_ids, start_block,
+                                         timeout)  # failure: why nixl cannot serve this peer
+
+Per peer (source address): ExportNixlAgent once, load the source's agent once
+(NixlKVAgent.add_peer), reuse it for every handle whose nixl.export_id matches; a new export_id
+(the source restarted) unloads the old agent first, so nothing is ever read through a dead
+process's addresses. A peer whose agent did not load is not tried again until its export_id
+changes (pull returns the failure; auto mode then goes by grpc).
+
+Per handle (lease rules of grpc_backend.py): LeaseKV renews the pin and names the blocks; the
+READ covers exactly those blocks, and waits at most until the lease ends; the caller releases
+the handle after pull returned. A READ that fails or times out raises KVTransferFailed.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tandem.common.convert import layout_to_proto
+from tandem.common.logging import get_logger
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.workers.kv import transport
+from tandem.workers.kv.layout import KVLayout
+from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable
+
+logger = get_logger(__name__)
+
+
+class NixlReceiver:
+    def __init__(self, agent: NixlKVAgent, layout: KVLayout, mode: str) -> None:
+        self.agent = agent
+        self.layout = layout
+        self.mode = mode
+        self._peers: dict[str, NixlPeer] = {}  # address -> its loaded agent
+        self._failed: dict[str, str] = {}  # address -> export_id whose agent did not load
+        self._loading: dict[str, asyncio.Lock] = {}  # address -> held while loading its agent
+
+    def loaded(self, address: str) -> NixlPeer | None:
+        return self._peers.get(address)
+
+    async def pull(self, channel, address: str, handle: worker_pb2.KVHandle,
+                   block_ids: list[int], start_block: int, timeout: float | None
+                   ) -> tuple[int, str | None]:
+        """(bytes read, None), or (0, why) when the source's agent cannot be loaded. Raises
+        grpc.aio.AioRpcError, ValueError or transport.KVTransferFailed."""
+        peer, failure = await self.peer(channel, address, handle, timeout)
+        if peer is None:
+            return 0, failure
+        return await self._read(channel, address, peer, handle, block_ids, start_block,
+                                timeout), None
+
+    async def peer(self, channel, address: str, handle, timeout: float | None):
+        """(peer, None) with the source's agent loaded, or (None, why it cannot be). The
+        first handles from a peer, pulled together, load its agent once."""
+        export_id = handle.nixl.export_id
+        if not export_id:
+            return None, "the handle offers nixl without an endpoint"
+        peer = self._peers.get(address)
+        if peer is not None and peer.export_id == export_id:
+            return peer, None
+        async with self._loading.setdefault(address, asyncio.Lock()):
+            return await self._load(channel, address, export_id, timeout)
+
+    async def _load(self, channel, address: str, export_id: str, timeout: float | None):
+        peer = self._peers.get(address)
+        if peer is not None and peer.export_id == export_id:
+            return peer, None  # loaded while this pull waited for the lock
+        if self._failed.get(address) == export_id:
+            return None, "loading its NIXL agent failed before"
+        if peer is not None:  # stale: the source restarted; never read through old metadata
+            self.agent.remove_peer(self._peers.pop(address))
+        response = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
+            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        if response.endpoint.export_id != export_id:
+            raise ValueError(f"peer {address} exported NIXL agent "
+                             f"{response.endpoint.export_id}, the handle names {export_id}: "
+                             f"it restarted in between")
+        try:
+            peer = self.agent.add_peer(response)
+        except NixlUnavailable as exc:
+            self._failed[address] = export_id
+            log = logger.error if self.mode == transport.NIXL else logger.warning
+            log("KV from %s: nixl unavailable (%s)%s", address, exc,
+                "" if self.mode == transport.NIXL else "; falling back to grpc")
+            return None, str(exc)
+        logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors)", address,
+                    peer.agent_name, len(peer.tensors), peer.mem_type)
+        self._peers[address] = peer
+        return peer, None
+
+    async def _read(self, channel, address, peer, handle, block_ids, start_block,
+                    timeout) -> int:
+        started = time.monotonic()
+        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
+            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
+            timeout=timeout)
+        src_ids = list(lease.block_ids)
+        if len(src_ids) != len(block_ids):
+            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
+                             f"blocks from block {start_block}, receiver expected "
+                             f"{len(block_ids)}")
+        # Read only while the lease lasts: past it the source may reuse the blocks.
+        budget = lease.lease_seconds - (time.monotonic() - started)
+        if timeout is not None:
+            budget = min(budget, timeout - (time.monotonic() - started))
+        num_bytes = await self.agent.read_blocks(peer, src_ids, list(block_ids), budget)
+        if time.monotonic() - started >= lease.lease_seconds:
+            raise ValueError(f"KV handle {handle.handle_id}: the NIXL READ from {address} "
+                             f"outlasted the {lease.lease_seconds:.0f} s lease; the blocks may "
+                             f"have been reused")
+        return num_bytes
