@@ -34,6 +34,37 @@ def test_selected_blocks_arrive_in_the_receivers_blocks(shapes):
             assert torch.equal(d[untouched], o[untouched])
 
 
+def test_blocks_arriving_in_pieces_and_out_of_order_are_assembled():
+    """Another sender may cut chunks anywhere: pieces of a block are assembled before the
+    block is written, and a block is written only whole."""
+    shapes = [[(4, 2, 8), (4, 2, 8)]] * 2
+    source, receiver = _caches(shapes, 10, seed=2), _caches(shapes, 12, seed=3)
+    src_blocks, dst_blocks = [3, 8, 1, 4], [10, 2, 7, 0]
+    pieces = []
+    for layer, kv_index, offset, data in iter_payload_chunks(source, src_blocks):
+        for start in range(0, len(data), 100):  # 100-byte pieces of 256-byte blocks
+            pieces.append((layer, kv_index, offset + start, data[start: start + 100]))
+    pieces.reverse()
+    assert pieces[0][:2] == (1, 1)  # the last payload's last piece comes first
+    writer = PayloadWriter(receiver, dst_blocks)
+    before = receiver[1][1][dst_blocks[-1]].clone()
+    writer.write(*pieces[0])
+    assert torch.equal(receiver[1][1][dst_blocks[-1]], before)  # a block's tail alone: unwritten
+    for piece in pieces[1:]:
+        writer.write(*piece)
+    writer.check_complete()
+    for src, dst in zip(source, receiver):
+        for s, d in zip(src, dst):
+            assert torch.equal(d[dst_blocks], s[src_blocks])
+
+
+def test_chunks_hold_whole_blocks():
+    source = _caches([[(4, 2, 8)]], 40, seed=4)  # 256-byte blocks
+    chunks = list(iter_payload_chunks(source, list(range(30)), chunk_bytes=1000))
+    assert [len(data) for *_, data in chunks] == [768] * 10  # 3 blocks each, under 1000
+    assert [offset for _, _, offset, _ in chunks] == list(range(0, 7680, 768))
+
+
 def test_a_missing_tensor_payload_is_named():
     shapes = [[(4, 1, 40), (4, 1, 16)]] * 2
     source, receiver = _caches(shapes, 4, seed=0), _caches(shapes, 4, seed=1)
