@@ -15,7 +15,7 @@ from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.kv.block_access import KVBlockAccess
-from tandem.workers.kv.block_payload import iter_payload_chunks
+from tandem.workers.kv.block_payload import DEFAULT_CHUNK_BYTES, iter_payload_chunks
 from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
 
 logger = get_logger(__name__)
@@ -48,9 +48,22 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 f"start_block={request.start_block} outside [0, "
                                 f"{len(block_ids)}]")
         kv_caches, payload_block_ids = await self.blocks.read(block_ids[request.start_block:])
-        for layer, kv_index, offset, data in iter_payload_chunks(kv_caches, payload_block_ids):
-            yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
-                                            data=data)
+        chunks = iter_payload_chunks(kv_caches, payload_block_ids)
+        if not request.accepts_pieces:  # an older receiver: one chunk per response
+            for layer, kv_index, offset, data in chunks:
+                yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
+                                                data=data)
+            return
+        # Responses of up to DEFAULT_CHUNK_BYTES (or one larger chunk): under gRPC's 4 MB.
+        response, size = worker_pb2.PullKVResponse(), 0
+        for layer, kv_index, offset, data in chunks:
+            if response.pieces and size + len(data) > DEFAULT_CHUNK_BYTES:
+                yield response
+                response, size = worker_pb2.PullKVResponse(), 0
+            response.pieces.add(layer=layer, kv_index=kv_index, offset=offset, data=data)
+            size += len(data)
+        if response.pieces:
+            yield response
 
     async def ExportKVCache(self, request, context):
         try:
@@ -114,9 +127,13 @@ async def pull_kv(channel: grpc.aio.Channel, handle: worker_pb2.KVHandle, local:
     stub = worker_pb2_grpc.KVTransferStub(channel)
     writer = blocks.writer(block_ids)
     request = worker_pb2.PullKVRequest(handle_id=handle.handle_id, start_block=start_block,
-                                       expected_layout=layout_to_proto(local))
+                                       expected_layout=layout_to_proto(local),
+                                       accepts_pieces=True)
     async for chunk in stub.PullKV(request, timeout=timeout):
-        writer.write(chunk.layer, chunk.kv_index, chunk.offset, chunk.data)
+        if chunk.data:  # a source that sends one chunk per response
+            writer.write(chunk.layer, chunk.kv_index, chunk.offset, chunk.data)
+        for piece in chunk.pieces:
+            writer.write(piece.layer, piece.kv_index, piece.offset, piece.data)
     writer.check_complete()
     await blocks.commit(block_ids, writer)
     return writer.num_bytes
