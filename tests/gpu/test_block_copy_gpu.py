@@ -28,7 +28,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     (torch.float16, (1, 1, 576)),     # an MLA latent row
 ])
 def test_stacked_gather_copies_every_layer_bit_exactly(dtype, block):
-    from tandem.workers.ops.gpu.block_copy import gather_blocks
+    from tandem.workers.ops.gpu.block_copy import BlockGather
 
     layers, src_blocks, dst_blocks = 6, 23, 19
     src_stack = random_bits((layers, src_blocks, *block), dtype)
@@ -37,7 +37,7 @@ def test_stacked_gather_copies_every_layer_bit_exactly(dtype, block):
     src_ids = [22, 0, 7, 7, 13]  # a source block may be read twice
     dst_ids = [3, 18, 0, 9, 11]
     ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32, device="cuda")
-    gather_blocks(src_stack, dst_stack, ids)
+    BlockGather(src_stack, dst_stack)(ids)
     torch.cuda.synchronize()
     expected = before.clone()
     expected[:, dst_ids] = src_stack[:, src_ids]
@@ -88,11 +88,11 @@ def test_concurrent_copies_coalesce_and_land_bit_exactly():
 
 
 def test_gather_refuses_mismatched_caches():
-    from tandem.workers.ops.gpu.block_copy import gather_blocks
+    from tandem.workers.ops.gpu.block_copy import BlockGather
 
     ids = torch.zeros((2, 1), dtype=torch.int32, device="cuda")
     a = random_bits((2, 4, 8), torch.float16)
     with pytest.raises(ValueError, match="differ beyond the block count"):
-        gather_blocks(a, random_bits((2, 4, 16), torch.float16), ids)
+        BlockGather(a, random_bits((2, 4, 16), torch.float16))(ids)
     with pytest.raises(ValueError, match="dtypes differ"):
-        gather_blocks(a, random_bits((2, 4, 8), torch.bfloat16), ids)
+        BlockGather(a, random_bits((2, 4, 8), torch.bfloat16))(ids)

@@ -2,7 +2,7 @@
 
 * Blocks move prefill (cuda:0, its own process) -> decode (cuda:1) bit-exactly, by the real
   KVTransferServicer (ExportKVCache, LeaseKV for handles without their blocks) and KVReceiver,
-  two pulls at once into disjoint blocks, and by copy_blocks alone; the
+  two pulls at once into disjoint blocks, and by BlockCopier.copy alone; the
   grpc backend moves the same bytes (kv_transfer bench at a small size, which checks each
   handle's bytes, NaN bit patterns included: tests/unit/bench/test_kv_transfer_bench.py runs
   its grpc path on CPU).

@@ -157,6 +157,13 @@ def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device) 
     return MappedPeer(response.endpoint.export_id, caches)
 
 
+def check_block_pairs(src_ids: list[int], dst_ids: list[int]) -> None:
+    """A copy pairs every source block with one destination block (ValueError otherwise)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"block copy: {len(src_ids)} source blocks for {len(dst_ids)} "
+                         f"destination blocks")
+
+
 class BlockCopier:
     """Copies blocks from one paged cache into another GPU to GPU, built once per cache pair
     (a peer's mapping and the local cache):
@@ -172,7 +179,7 @@ class BlockCopier:
 
     def __init__(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
         if len(src) != len(dst):
-            raise ValueError(f"copy_blocks: {len(src)} source tensors, {len(dst)} destination")
+            raise ValueError(f"BlockCopier: {len(src)} source tensors, {len(dst)} destination")
         self.src, self.dst = src, dst
         self.device = dst[0].device
         self.block_bytes = sum(math.prod(t.shape[1:]) * t.element_size() for t in dst)
@@ -197,9 +204,7 @@ class BlockCopier:
         """Queues dst[i][dst_ids] = src[i][src_ids] for every tensor on `stream` (default: the
         current one) after the work already queued on the current stream (the reserved
         blocks' last writers); returns an event that completes with the copy."""
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} "
-                             f"destination blocks")
+        check_block_pairs(src_ids, dst_ids)
         stream = stream or torch.cuda.current_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()

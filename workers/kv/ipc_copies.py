@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tandem.workers.kv.cuda_ipc import check_block_pairs
+
 
 class CoalescedCopies:
     def __init__(self, stream) -> None:
@@ -20,9 +22,7 @@ class CoalescedCopies:
         self._waits: set[asyncio.Task] = set()  # the loop keeps only weak task references
 
     async def copy(self, copier, src_ids: list[int], dst_ids: list[int]) -> None:
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"copy_blocks: {len(src_ids)} source blocks for {len(dst_ids)} "
-                             f"destination blocks")
+        check_block_pairs(src_ids, dst_ids)  # here, so a bad request fails alone
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         if not self._pending:

@@ -54,13 +54,13 @@ class BlockGather:
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
-            raise ValueError(f"gather_blocks: source {tuple(src.shape)} and destination "
+            raise ValueError(f"block gather: source {tuple(src.shape)} and destination "
                              f"{tuple(dst.shape)} differ beyond the block count")
         if src.dtype != dst.dtype:
-            raise ValueError(f"gather_blocks: dtypes differ ({src.dtype} vs {dst.dtype})")
+            raise ValueError(f"block gather: dtypes differ ({src.dtype} vs {dst.dtype})")
         for t in (src, dst):
             if not t[0, 0].is_contiguous():
-                raise ValueError("gather_blocks: a block must be one contiguous run")
+                raise ValueError("block gather: a block must be one contiguous run")
         item = src.element_size()
         self.num_tensors = src.shape[0]
         self.block_bytes = src[0, 0].numel() * item
@@ -83,11 +83,6 @@ class BlockGather:
         _gather_blocks_kernel[grid](self.src_bytes, self.dst_bytes, ids, num_pairs,
                                     *self.strides, self.block_bytes, CHUNK=CHUNK_BYTES,
                                     ALIGNED=self.aligned, num_warps=NUM_WARPS)
-
-
-def gather_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
-    """One-off BlockGather(src, dst)(ids)."""
-    BlockGather(src, dst)(ids)
 
 
 def _byte_base(t: torch.Tensor) -> torch.Tensor:
