@@ -6,7 +6,7 @@
 
 1. The plain copy rate: one large tensor cuda:0 -> cuda:1 (CUDA events, warm-up, median), the
    ceiling every backend is compared with (--device cpu: a host memcpy).
-2. A source process holds a KV cache on cuda:0 (Llama-8B-shaped by default: 32 layers, 8 KV
+2. A source process (kv_transfer_source.py) holds a KV cache on cuda:0 (Llama-8B-shaped by default: 32 layers, 8 KV
    heads, head 128, block 16, bf16: 2 MiB per block over all layers, K and V) and serves the
    real KVTransferServicer on 127.0.0.1 with pinned handles of 1..128 scattered blocks. This
    process pulls them into scattered blocks of a cache on cuda:1:
@@ -45,11 +45,10 @@ import json
 import statistics
 import sys
 import time
-from types import SimpleNamespace
-
 import torch
 
-CPU_FILL_SEED = 1234
+from tandem.bench.kv_transfer_source import ends, fill_random_bits, make_caches, source_main
+
 STREAM_WINDOW_SECONDS = 0.2
 
 
@@ -100,11 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def ends(args) -> tuple[str, str]:
-    """(source device, destination device)."""
-    return ("cpu", "cpu") if args.device == "cpu" else ("cuda:0", "cuda:1")
-
-
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN payloads included), whatever the dtype."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
@@ -134,75 +128,6 @@ def copy_rate(args, num_bytes: int) -> float:
             times.append(seconds)
     assert torch.equal(dst[:4096].cpu(), src[:4096].cpu())
     return num_bytes / statistics.median(times)
-
-
-def make_caches(args, num_blocks: int, device: str):
-    """Caches shaped as ModelRunner allocates them: equally spaced slices of one tensor."""
-    dtype = getattr(torch, args.dtype)
-    stack = torch.empty((args.layers * 2, num_blocks, args.block_size, args.kv_heads,
-                         args.head_dim), dtype=dtype, device=device)
-    return [(stack[2 * i], stack[2 * i + 1]) for i in range(args.layers)], stack
-
-
-def fill_random_bits(stack: torch.Tensor) -> None:
-    """Random bit patterns (NaNs and infinities included); on CPU from a fixed seed, so the
-    measuring process can rebuild the source's bytes for its check."""
-    bits = stack.view(torch.int16)
-    if stack.device.type == "cpu":
-        bits.random_(-2**15, 2**15, generator=torch.Generator().manual_seed(CPU_FILL_SEED))
-    else:
-        bits.random_(-2**15, 2**15)
-
-
-def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
-    """The prefill side: random caches, pinned handles, the real KVTransferServicer."""
-    import grpc
-
-    from tandem.v1 import worker_pb2_grpc
-    from tandem.workers.kv.block_access import DirectKVBlocks
-    from tandem.workers.kv.grpc_backend import KVTransferServicer
-    from tandem.workers.kv.layout import KVLayout
-
-    device = ends(args)[0]
-    if device != "cpu":
-        torch.cuda.set_device(0)
-    caches, stack = make_caches(args, num_blocks, device)
-    fill_random_bits(stack)
-    exporter, nixl_agent = None, None
-    if device != "cpu":
-        from tandem.workers.kv.cuda_ipc import CudaIpcExporter
-
-        torch.cuda.synchronize()
-        exporter = CudaIpcExporter(caches, KVLayout.from_kv_caches(caches))
-    layout = KVLayout.from_kv_caches(caches)
-    if "nixl" in args.backends.split(","):
-        from tandem.workers.kv.nixl_backend import NixlKVAgent
-
-        nixl_agent = NixlKVAgent(caches, layout)
-    engine_state = SimpleNamespace(
-        pinned={h: float("inf") for h in handles},
-        requests={h: SimpleNamespace(num_computed_tokens=len(ids) * args.block_size,
-                                     block_table=ids) for h, ids in handles.items()},
-        config=SimpleNamespace(block_size=args.block_size, kv_lease_seconds=3600.0))
-
-    class Engine:  # AsyncEngine.call's contract, enough for the servicer
-        async def call(self, fn):
-            return fn(engine_state)
-
-    async def serve():
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),
-                                          ("grpc.max_receive_message_length", 64 << 20)])
-        worker_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), exporter, nixl_agent),
-            server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        queue.put(port)
-        while not stop.is_set():
-            await asyncio.sleep(0.1)
-        await server.stop(1)
-
-    asyncio.run(serve())
 
 
 async def measure(args, address: str, handles: dict, sizes: list[int], rate: float,

@@ -6,15 +6,14 @@ handles, and the real KVTransferServicer (with a NIXL agent) on 127.0.0.1, in it
     caches = make_caches("mha", NUM_BLOCKS)  # the same bytes, rebuilt here from the seed
     source.kill()
 
-The engine is a stand-in with AsyncEngine.call's contract and the fields the servicer reads
-(pinned handles, their block tables, the lease): what is under test is the transfer seam.
+The engine is bench's PinnedHandlesEngine (AsyncEngine.call's contract over the fields the
+servicer reads): what is under test is the transfer seam.
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 
@@ -50,23 +49,14 @@ def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
 def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -> None:
     import grpc
 
+    from tandem.bench.kv_transfer_source import PinnedHandlesEngine
     from tandem.v1 import worker_pb2_grpc
     from tandem.workers.kv.block_access import DirectKVBlocks
     from tandem.workers.kv.grpc_backend import KVTransferServicer
     from tandem.workers.kv.layout import KVLayout
     from tandem.workers.kv.nixl_backend import NixlKVAgent
 
-    pinned = {h: float("inf") for h in handles}
-    state = SimpleNamespace(
-        pinned=pinned,
-        requests={h: SimpleNamespace(num_computed_tokens=len(ids) * BLOCK_SIZE,
-                                     block_table=list(ids)) for h, ids in handles.items()},
-        config=SimpleNamespace(block_size=BLOCK_SIZE, kv_lease_seconds=30.0),
-        release=lambda h: pinned.pop(h, None) is not None)
-
-    class Engine:
-        async def call(self, fn):
-            return fn(state)
+    engine = PinnedHandlesEngine(handles, BLOCK_SIZE)
 
     async def serve():
         servers, ports, endpoints = [], {}, {}
@@ -76,7 +66,7 @@ def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -
             agent = NixlKVAgent(caches, layout)
             server = grpc.aio.server()
             worker_pb2_grpc.add_KVTransferServicer_to_server(
-                KVTransferServicer(Engine(), layout, DirectKVBlocks(caches), None, agent),
+                KVTransferServicer(engine, layout, DirectKVBlocks(caches), None, agent),
                 server)
             ports[kind] = server.add_insecure_port("127.0.0.1:0")
             endpoints[kind] = agent.endpoint.SerializeToString()

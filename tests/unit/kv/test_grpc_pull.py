@@ -5,12 +5,12 @@ blocks bit for bit."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
 
+from tandem.bench.kv_transfer_source import PinnedHandlesEngine
 from tandem.common.convert import layout_to_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.kv.block_access import DirectKVBlocks
@@ -44,20 +44,12 @@ def test_pull_packs_pieces_only_for_receivers_that_accept_them(accepts_pieces):
     source = caches(seed=5)
     layout = KVLayout.from_kv_caches(source)
     src_ids, dst_ids = [9, 0, 4], [1, 11, 6]
-    state = SimpleNamespace(
-        pinned={"h": float("inf")},
-        requests={"h": SimpleNamespace(num_computed_tokens=len(src_ids) * BLOCK_SHAPE[0],
-                                       block_table=src_ids)},
-        config=SimpleNamespace(block_size=BLOCK_SHAPE[0], kv_lease_seconds=30.0))
-
-    class Engine:  # AsyncEngine.call's contract over the stand-in state
-        async def call(self, fn):
-            return fn(state)
 
     async def run():
         server = grpc.aio.server()
         worker_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(Engine(), layout, DirectKVBlocks(source)), server)
+            KVTransferServicer(PinnedHandlesEngine({"h": src_ids}, BLOCK_SHAPE[0]), layout,
+                               DirectKVBlocks(source)), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
