@@ -32,11 +32,15 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
         self.nixl_agent = nixl_agent  # a nixl_backend.NixlKVAgent when nixl is offered
 
-    async def PullKV(self, request, context):
+    async def _check_layout(self, request, context) -> None:
+        """Refuses (FAILED_PRECONDITION) a receiver whose expected layout ours cannot fill."""
         try:
             self.layout.check_readable_by(layout_from_proto(request.expected_layout))
         except KVLayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    async def PullKV(self, request, context):
+        await self._check_layout(request, context)
         handle_id = request.handle_id
         # Renew the lease while the pull runs, and snapshot the block ids.
         block_ids = await self.engine.call(lambda e: _renew_and_get_blocks(e, handle_id))
@@ -66,10 +70,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             yield response
 
     async def ExportKVCache(self, request, context):
-        try:
-            self.layout.check_readable_by(layout_from_proto(request.expected_layout))
-        except KVLayoutMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        await self._check_layout(request, context)
         if self.exporter is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker does not offer cuda-ipc (--kv-transfer grpc, no "
@@ -77,10 +78,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         return self.exporter.export()
 
     async def ExportNixlAgent(self, request, context):
-        try:
-            self.layout.check_readable_by(layout_from_proto(request.expected_layout))
-        except KVLayoutMismatch as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        await self._check_layout(request, context)
         if self.nixl_agent is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker does not offer nixl (--kv-transfer grpc or "
