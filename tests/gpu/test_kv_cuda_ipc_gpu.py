@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import random_prompts
-from helpers.client import generate, request, worker_load
-from helpers.processes import start_stack, stop
+from helpers.handoff import decode_log_of_handoff_stack
 
 from tandem.bench import kv_transfer
 
@@ -42,20 +40,6 @@ def test_blocks_move_bit_exactly_between_two_gpus(dtype, tmp_path):
 
 @pytest.mark.parametrize("decode_device", ["cuda:1", "cuda:0"])  # two GPUs; one GPU
 def test_stack_with_cuda_ipc_gives_transformers_tokens(checkpoint, tmp_path, decode_device):
-    if torch.cuda.device_count() <= torch.device(decode_device).index:
-        pytest.skip(f"needs {decode_device}")
-    ckpt = checkpoint("qwen3")
-    stack = start_stack(ckpt.path, tmp_path, worker_args=[
-        "--kernels", "torch", "--max-num-seqs", "8", "--kv-transfer", "cuda-ipc"],
-        role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", decode_device]})
-    try:
-        for prompt in random_prompts([1, 17, 33, 200], seed=91):
-            result = generate(stack.router.address, request(prompt, max_tokens=24))
-            assert result.token_ids == ckpt.greedy(prompt, 24), f"{len(prompt)}-token prompt"
-        for worker in stack.workers.values():
-            load = worker_load(worker.address)
-            assert load.kv_usage == 0 and load.num_pinned == 0
-        log = stack.workers["decode-0"].log_path.read_text()
-        assert "over cuda-ipc" in log and "over grpc" not in log, log[-3000:]
-    finally:
-        stop(stack.processes)
+    log = decode_log_of_handoff_stack(checkpoint("qwen3"), tmp_path, decode_device,
+                                      "cuda-ipc", seed=91)
+    assert "over cuda-ipc" in log and "over grpc" not in log, log[-3000:]
