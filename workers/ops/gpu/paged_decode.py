@@ -33,6 +33,25 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
+def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One online-softmax step over a tile of keys: returns the updated (m_i, l_i, acc)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(mask_n[None, :], s * scale, float("-inf"))  # [G, N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a visible key
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         part_out_ptr, part_lse_ptr, scale, num_splits,
@@ -42,14 +61,17 @@ def _decode_split_kernel(
         stride_table,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+        SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+        PREFETCH: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
 
     # Before the PDL wait only what the previous kernel (the KV write) cannot have written:
-    # seq_lens and block_tables, filled at least two kernels earlier (attention_gpu.py).
+    # seq_lens and block_tables, filled at least two kernels earlier (attention_gpu.py), and
+    # with PREFETCH the first tile's keys except the newest one, the only row of this
+    # sequence the previous kernel writes (written by earlier steps, long complete).
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
     if SLIDING_WINDOW > 0:
@@ -59,23 +81,44 @@ def _decode_split_kernel(
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
     table = block_tables_ptr + seq * stride_table
     pos = lo + tl.arange(0, BLOCK_N)
-    block = tl.load(table + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    mask_n = pos < hi
+    block = tl.load(table + pos // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    k_ptrs = k_cache_ptr + (block * stride_k_block + (pos % BLOCK_SIZE) * stride_k_slot
+                            + kv_head * stride_k_head)[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + (block * stride_v_block + (pos % BLOCK_SIZE) * stride_v_slot
+                            + kv_head * stride_v_head)[:, None] + offs_d[None, :]
+    if PREFETCH:
+        old = (mask_n & (pos < seq_len - 1))[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=old, other=0.0)
+        v = tl.load(v_ptrs, mask=old, other=0.0)
     wait_for_previous_kernel(USE_PDL)  # q and this step's KV come from the previous kernels
 
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [G, D]
+    if PREFETCH:  # the newest key, now written (a masked load: one row at most)
+        newest = (mask_n & (pos == seq_len - 1))[:, None] & mask_d[None, :]
+        k = tl.where(newest, tl.load(k_ptrs, mask=newest, other=0.0), k)
+        v = tl.where(newest, tl.load(v_ptrs, mask=newest, other=0.0), v)
+    else:
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for start in range(lo, hi, BLOCK_N):  # `block`: this tile's block ids, loaded ahead
+    if lo < hi:
+        m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE)
+    next_pos = pos + BLOCK_N
+    block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < hi, other=0).to(tl.int64)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):  # `block`: this tile's ids, loaded ahead
         pos = start + tl.arange(0, BLOCK_N)
         mask_n = pos < hi
         slot_in_block = pos % BLOCK_SIZE
@@ -84,21 +127,7 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(mask_n[None, :], s * scale, float("-inf"))  # [G, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a visible key
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE)
         next_pos = pos + BLOCK_N
         block = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < hi,
                         other=0).to(tl.int64)
@@ -179,7 +208,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int, out: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None, block_n: int = 64,
-                           num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                           num_warps: int = 4, num_stages: int | None = None,
+                           prefetch: bool = False) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
@@ -215,7 +245,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
-        num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl, PREFETCH=prefetch,
+        num_warps=num_warps, num_stages=num_stages)
     combine_splits(part_out, part_lse, out, sinks)
     return out
