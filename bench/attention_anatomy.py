@@ -5,8 +5,9 @@
 Every row is a CUDA-graph replay (bench/engine_limits.time_graphed) with the KV rotated
 through copies so it comes from HBM, at Llama-8B's heads (32 q / 8 kv, head 128, block 16):
 
-    full              split pass + combine, as the engine runs it (then a sweep of split
-                      counts, tiles, and the first tile loaded before the PDL wait)
+    full              split pass + combine, as the engine runs it, then a sweep of split
+                      counts and tiles with and without the first tile loaded before the
+                      PDL wait (prefetch, paged_decode.py)
     split pass only   the combine is skipped
     combine only      the second pass alone, on partials already written
     no keys           both passes with seq_len 0: launch, prologue and kernel boundaries
@@ -79,18 +80,20 @@ def anatomy(context: int, copy_bps: float, block_n: int = 64) -> list[tuple[str,
     def attend(lens, splits=splits, **kw):
         return lambda i: paged_decode_attention(q, *caches[i % len(caches)], table, lens, scale,
                                                 num_splits=splits, **kw)
-    rows.append((f"full ({splits} splits, 64-key tiles)", time_graphed(attend(seq_lens))))
+    rows.append((f"full ({splits} splits, 64-key tiles, prefetch)",
+                 time_graphed(attend(seq_lens))))
     for n_splits, tile, prefetch in itertools.product((16, 32, 64), (32, 64), (False, True)):
         if context // n_splits >= tile:
             rows.append((f"full {n_splits} splits, {tile}-key tiles"
                          + (", prefetch" if prefetch else ""),
-                         time_graphed(attend(seq_lens, block_n=tile, prefetch=prefetch,
-                                             splits=n_splits))))
-    rows.append(("no keys (seq_len 0)", time_graphed(attend(no_keys))))
+                         time_graphed(attend(seq_lens, block_n=tile, splits=n_splits,
+                                             prefetch=prefetch))))
+    rows.append(("no keys (seq_len 0)", time_graphed(attend(no_keys, prefetch=False))))
     real_combine = paged_decode.combine_splits
     paged_decode.combine_splits = lambda *a, **k: None
     try:
-        rows.append(("split pass only", time_graphed(attend(seq_lens))))
+        rows.append(("split pass only", time_graphed(attend(seq_lens, prefetch=False))))
+        rows.append(("split pass only, prefetch", time_graphed(attend(seq_lens))))
     finally:
         paged_decode.combine_splits = real_combine
     part_out = torch.randn(1, heads, splits, dim, device="cuda")

@@ -42,11 +42,11 @@ def _engine(model_dir: Path, args: argparse.Namespace):
     kv_budget = int(free - weight_bytes(model_dir) - args.reserve_gib * GiB)
     if kv_budget < GiB:
         raise RuntimeError(f"{model_dir.name}: weights leave {kv_budget / GiB:.1f} GiB for KV")
-    max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill) + 8)
+    max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill, default=0) + 8)
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
         max_model_len=max_len, max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(args.prefill), kv_cache_memory_bytes=kv_budget,
+        max_num_batched_tokens=max(args.prefill, default=2048), kv_cache_memory_bytes=kv_budget,
         enable_prefix_caching=False))
 
 

@@ -146,8 +146,8 @@ def test_prefetched_tile_waits_for_the_new_key(num_splits, block_n):
     def step():
         q.copy_(fresh[0])
         k.copy_(fresh[1])
-        k_cache.view(-1, 4, 128)[new_slots] = float("nan")
-        v_cache.view(-1, 4, 128)[new_slots] = float("nan")
+        k_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
+        v_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
         rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, rope.is_neox_style,
                           k_cache, v_cache, new_slots)
         paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

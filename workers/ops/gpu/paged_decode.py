@@ -13,10 +13,16 @@ Pass 1 (`_decode_split_kernel`), one program per (seq, kv_head, split):
 Pass 2, the combine, one per (seq, query head):
     out = sum_s exp(lse_s - m) o_s / (sum_s exp(lse_s - m) + exp(sink - m)),  m = max(lse, sink)
     which is the exact softmax over all visible keys (plus the sink logit, if any).
-    Tried twice and dropped: the last split of each (seq, KV head) combining in the same launch
-    (atomic counter): 14.3 vs 13.3 us at 1 x 4k on an H100 even with all partials loaded at
-    once (bench/results/engine-h100-fusions.log); the tail program's work stays on the
-    critical path either way.
+    Tried three times and dropped: the last split of each (seq, KV head) combining in the same
+    launch (atomic counter): 14.3 vs 13.3 us at 1 x 4k on an H100 (engine-h100-fusions.log),
+    and again with the prefetch below, 13.3 vs 12.5 us (attention-anatomy-h100.log).
+
+Prefetch (default on): each program loads its first tile before the PDL wait, every key but
+the newest, which is the only row of the sequence the previous kernel (RoPE + KV write)
+writes; the newest row is loaded after the wait. The KV read then overlaps the previous
+kernel's tail: 12.2-12.5 vs 13.1-13.5 us at 1 x 4k on an H100 in three runs. Also tried and
+dropped (same log): the later tiles prefetched into L2 with PTX prefetch.global.L2 (slower),
+and the combine letting the next kernel launch before its own wait (within noise).
 
 Everything the kernels read about the batch lives on the device (seq_lens, block_tables), and
 the grid depends only on the batch size: a launch can be captured in a CUDA graph and replayed
@@ -54,7 +60,7 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr, scale, num_splits,
+        part_out_ptr, part_lse_ptr, scale,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
@@ -62,7 +68,7 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        PREFETCH: tl.constexpr, NUM_SPLITS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,14 +76,14 @@ def _decode_split_kernel(
 
     # Before the PDL wait only what the previous kernel (the KV write) cannot have written:
     # seq_lens and block_tables, filled at least two kernels earlier (attention_gpu.py), and
-    # with PREFETCH the first tile's keys except the newest one, the only row of this
-    # sequence the previous kernel writes (written by earlier steps, long complete).
+    # with PREFETCH the first tile's keys except the newest one (written by earlier steps;
+    # invariant: a decode step's KV write touches only each sequence's newest row).
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
     if SLIDING_WINDOW > 0:
         first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
     # Splits are whole tiles so that only the last tile of a split is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -136,24 +142,18 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     # part_out [B, H, NUM_SPLITS, HEAD_DIM_PAD], part_lse [B, H, NUM_SPLITS], contiguous.
-    row = (seq * num_kv_heads * GROUP + heads) * num_splits + split  # [G]
+    row = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS + split  # [G]
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
              mask=mask_g[:, None])
     tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
 @triton.jit
-def _combine_splits_kernel(
-        part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    wait_for_previous_kernel(USE_PDL)
-    num_heads = tl.num_programs(1)
+def _combine_head(part_out_ptr, part_lse_ptr, sinks_ptr, row, head, offs_d,
+                  HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  HAS_SINKS: tl.constexpr):
+    """Pass 2 for one (sequence, query head) whose partials start at `row` (module docstring)."""
     offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
-    row = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row + offs_s)  # [S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
@@ -166,7 +166,22 @@ def _combine_splits_kernel(
         denom += tl.exp(sink - m)
     denom = tl.where(denom > 0, denom, 1.0)
     parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    out = tl.sum(parts * weights[:, None], 0) / denom
+    return tl.sum(parts * weights[:, None], 0) / denom
+
+
+@triton.jit
+def _combine_splits_kernel(
+        part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
+    num_heads = tl.num_programs(1)
+    offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
+    out = _combine_head(part_out_ptr, part_lse_ptr, sinks_ptr,
+                        (seq * num_heads + head) * NUM_SPLITS, head, offs_d, HEAD_DIM_PAD,
+                        NUM_SPLITS, HAS_SINKS)
     tl.store(out_ptr + seq * stride_out_tok + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -209,7 +224,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
-                           prefetch: bool = False) -> torch.Tensor:
+                           prefetch: bool = True) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
@@ -237,7 +252,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = pdl_enabled(q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -245,7 +260,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl, PREFETCH=prefetch,
-        num_warps=num_warps, num_stages=num_stages)
+        IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
+        PREFETCH=prefetch, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
     combine_splits(part_out, part_lse, out, sinks)
     return out
+
