@@ -1,6 +1,6 @@
 """CoalescedCopies' batching rules on CPU, with a host copier in BlockCopier's shape (launch ->
-an event with synchronize()); tests/gpu/test_block_copy_gpu.py runs it with the real
-BlockCopier on a GPU."""
+an event with synchronize(), waited by the EventWaiter's thread); tests/gpu/test_block_copy_gpu.py
+runs it with the real BlockCopier on a GPU."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +20,7 @@ class HostCopier:
         self.launches: list[tuple[list[int], list[int]]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.copy_error: str | None = None  # the 'GPU' fails the copy (synchronize raises)
 
     def launch(self, src_ids, dst_ids, stream=None):
         if self.fail:
@@ -30,6 +31,8 @@ class HostCopier:
         class Done:
             def synchronize(self):
                 copier.gate.wait()
+                if copier.copy_error:
+                    raise RuntimeError(copier.copy_error)
                 copier.dst[dst_ids] = copier.src[src_ids]
 
         return Done()
@@ -83,3 +86,46 @@ def test_a_cancelled_copy_returns_only_after_its_blocks_are_written():
         assert copier.dst[2] == 1
 
     asyncio.run(run())
+
+
+def test_a_failed_copy_fails_its_batch_after_the_wait_and_later_copies_still_land():
+    copier = HostCopier(torch.arange(6.0), torch.zeros(6))
+    copier.copy_error = "an illegal memory access was encountered"
+    copier.gate.clear()
+
+    async def run():
+        copies = CoalescedCopies(stream=None)
+        batch = asyncio.gather(copies.copy(copier, [1], [2]), copies.copy(copier, [3], [4]),
+                               return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert not batch.done()  # the error is known only once the wait returns
+        copier.gate.set()
+        assert [str(r) for r in await batch] == [copier.copy_error] * 2
+        copier.copy_error = None
+        await copies.copy(copier, [5], [0])
+
+    asyncio.run(run())
+    assert copier.dst.tolist() == [5, 0, 0, 0, 0, 0]
+
+
+def test_waits_run_on_one_long_lived_thread_not_the_default_executor():
+    copier = HostCopier(torch.arange(4.0), torch.zeros(4))
+    waited_on = set()
+    launch = copier.launch
+
+    def launch_and_note(src_ids, dst_ids, stream=None):
+        done = launch(src_ids, dst_ids, stream)
+        sync = done.synchronize
+        done.synchronize = lambda: waited_on.add(threading.current_thread()) or sync()
+        return done
+
+    copier.launch = launch_and_note
+
+    async def run():
+        copies = CoalescedCopies(stream=None)
+        for i in range(10):  # ten turns, ten launches
+            await copies.copy(copier, [i % 4], [(i + 1) % 4])
+
+    asyncio.run(run())
+    assert len(copier.launches) == 10
+    assert [t.name for t in waited_on] == ["cuda-event-waiter"]
