@@ -1,26 +1,31 @@
-"""Tell an asyncio loop when CUDA events complete, from one long-lived thread per waiter.
+"""Tell an asyncio loop when CUDA events complete: a short poll on the loop, then one
+long-lived thread per waiter.
 
     waiter = EventWaiter()
-    waiter.when_done(event, loop, callback)   # later, on loop: callback(None) or callback(exc)
+    waiter.when_done(event, loop, callback)   # on loop: callback(None) or callback(exc)
 
-`callback` runs on `loop` only after event.synchronize() returned (None) or raised (the
-exception), never before: callers free or activate blocks from it.
+`callback` runs on `loop` only once the event completed (event.query() was True, or
+event.synchronize() returned) or with the error that query/synchronize raised, never before:
+callers free or activate blocks from it. It may run inside when_done.
 
-Why a thread of its own rather than asyncio.to_thread(event.synchronize) per wait: to_thread
-goes through the default executor (a work item, a concurrent future wrapped in an asyncio
-future, a task to await it), some tens of microseconds of Python per wait; here a wait is one
-queue put, and the thread posts one call_soon_threadsafe. Events are waited in the order
-given: CoalescedCopies records them on one stream, where they complete in that order, so a
-single thread never waits behind an event that completes later than the one it waits for.
+1. Poll: event.query() once per loop iteration (call_soon), for up to spin_seconds. A small
+   copy completes within a few iterations, with no thread involved; other tasks run between
+   polls. (Polling with call_later instead would sleep at least 1 ms per poll on an idle loop:
+   epoll's timeout is in milliseconds.)
+2. Then the waiter's thread: a queue put; the thread synchronizes and posts one
+   call_soon_threadsafe. Cheaper than asyncio.to_thread per wait (a default-executor work
+   item, a concurrent future wrapped in an asyncio one, a task to await it). Events reach the
+   thread in the order given: CoalescedCopies records them on one stream, where they complete
+   in that order, so the thread never waits behind an event that completes later than one
+   queued after it.
 
-Alternatives not taken: cudaLaunchHostFunc would run the callback on a CUDA driver thread
-that must take the GIL while the copy stream stays blocked behind it (and ties this module to
-libcudart's ABI through ctypes); polling event.query() from the loop with call_later sleeps
-at least 1 ms per poll when the loop is idle (epoll's timeout is in milliseconds).
+Not taken: cudaLaunchHostFunc would run the callback on a CUDA driver thread that must take
+the GIL while the copy stream stays blocked behind it (and ties this to libcudart's ABI
+through ctypes).
 
-The thread starts on the first wait and exits after IDLE_SECONDS without one (so test loops
-and unused waiters leave no threads behind); the next wait starts a new one. If no thread can
-be started, the wait falls back to the loop's default executor.
+The thread starts on the first hand-over and exits after IDLE_SECONDS without one (test
+loops and unused waiters leave no threads behind); the next hand-over starts a new one. If no
+thread can be started, the wait falls back to the loop's default executor.
 """
 from __future__ import annotations
 
@@ -30,20 +35,45 @@ import threading
 from typing import Callable
 
 IDLE_SECONDS = 30.0
+# How long the loop polls before handing a wait to the thread: about the time of a 50 MiB copy
+# at NVLink speed. A guess, not yet measured on GPUs (bench/ipc_launch_overhead.py can).
+SPIN_SECONDS = 200e-6
 
 Callback = Callable[[BaseException | None], object]
 
 
 class EventWaiter:
-    def __init__(self, idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(self, spin_seconds: float = SPIN_SECONDS,
+                 idle_seconds: float = IDLE_SECONDS) -> None:
+        self._spin_seconds = spin_seconds
         self._idle_seconds = idle_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _thread against an exiting idle thread
         self._thread: threading.Thread | None = None
 
     def when_done(self, event, loop: asyncio.AbstractEventLoop, callback: Callback) -> None:
-        """Calls callback(None | exception) on `loop` once event.synchronize() returned or
-        raised. Call it on the loop's thread (the fallback uses loop.run_in_executor)."""
+        """Calls callback(None | exception) on `loop` once `event` completed or its query or
+        synchronize raised. Call it on the loop's thread."""
+        if self._spin_seconds > 0:
+            self._poll(event, loop, callback, loop.time() + self._spin_seconds)
+        else:
+            self._hand_over(event, loop, callback)
+
+    def _poll(self, event, loop: asyncio.AbstractEventLoop, callback: Callback,
+              deadline: float) -> None:
+        try:
+            complete = event.query()
+        except Exception as exc:  # a CUDA error: the waiters get it
+            callback(exc)
+            return
+        if complete:
+            callback(None)
+        elif loop.time() < deadline:
+            loop.call_soon(self._poll, event, loop, callback, deadline)
+        else:
+            self._hand_over(event, loop, callback)
+
+    def _hand_over(self, event, loop: asyncio.AbstractEventLoop, callback: Callback) -> None:
         with self._lock:  # an idle thread exits only with the queue empty, under this lock
             self._queue.put((event, loop, callback))
             if self._thread is None:

@@ -8,9 +8,9 @@ a burst of handoffs costs one launch instead of one per handle.
 Invariant: `copy` returns (or raises, or propagates a cancellation) only once the GPU has
 finished writing dst_ids, so a caller never frees or activates blocks a copy still writes.
 Its future is settled only by the launch raising (BlockCopier.launch raises with nothing of it
-still running) or by the EventWaiter after the launch's event synchronized (event_waiter.py:
-one long-lived thread per stream instead of a thread-pool hop per wait; the launches of one
-CoalescedCopies share its stream, so their events complete in the order they are waited).
+still running) or by the EventWaiter once the launch's event completed (event_waiter.py: a
+short poll on the loop, then one long-lived thread instead of a thread-pool hop per wait; the
+launches of one CoalescedCopies share its stream, so their events complete in launch order).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from tandem.workers.kv.event_waiter import EventWaiter
 
 
 class CoalescedCopies:
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, waiter: EventWaiter | None = None) -> None:
         self._stream = stream
         self._pending: dict[int, tuple[object, list]] = {}  # id(copier) -> (copier, requests)
-        self._waiter = EventWaiter()
+        self._waiter = waiter or EventWaiter()
 
     async def copy(self, copier, src_ids: list[int], dst_ids: list[int]) -> None:
         check_block_pairs(src_ids, dst_ids)  # here, so a bad request fails alone

@@ -1,6 +1,7 @@
-"""EventWaiter on CPU with host events (synchronize() blocks on a threading.Event): callbacks
-run on the loop only after synchronize returned or raised, in order, from one thread that
-exits when idle and comes back on the next wait."""
+"""EventWaiter on CPU with host events (complete once a threading.Event is set): callbacks run
+on the loop only once the event completed or with its error; an event that completes while
+the loop polls needs no thread; later ones are waited in order by one thread that exits when
+idle and comes back on the next wait."""
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,18 @@ class HostEvent:
         if self.error is not None:
             raise self.error
 
+    def query(self) -> bool:
+        if self.gate.is_set() and self.error is not None:
+            raise self.error
+        return self.gate.is_set()
+
 
 def waiter_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "cuda-event-waiter"]
 
 
 def test_callbacks_run_on_the_loop_after_synchronize_in_order():
-    waiter = EventWaiter()
+    waiter = EventWaiter(spin_seconds=0)
     events = [HostEvent(), HostEvent(), HostEvent(RuntimeError("illegal address"))]
     seen = []
 
@@ -61,8 +67,44 @@ def test_callbacks_run_on_the_loop_after_synchronize_in_order():
     assert {e.synchronized_by.name for e in events} == {"cuda-event-waiter"}
 
 
+@pytest.mark.parametrize("error", [None, RuntimeError("misaligned address")])
+def test_an_event_completing_while_polled_needs_no_thread(error):
+    waiter = EventWaiter(spin_seconds=5.0)
+    event = HostEvent(error)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        waiter.when_done(event, loop, done.set_result)
+        for _ in range(20):  # other work runs between polls
+            await asyncio.sleep(0)
+        assert not done.done()
+        loop.call_later(0.01, event.gate.set)  # the 'GPU' finishes while the loop polls
+        return await asyncio.wait_for(done, 5)
+
+    assert asyncio.run(run()) is error
+    assert not waiter.running and event.synchronized_by is None
+
+
+def test_an_event_outlasting_the_poll_goes_to_the_thread():
+    waiter = EventWaiter(spin_seconds=0.01)
+    event = HostEvent()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        waiter.when_done(event, loop, done.set_result)
+        await asyncio.sleep(0.1)
+        assert waiter.running and not done.done()
+        event.gate.set()
+        return await asyncio.wait_for(done, 5)
+
+    assert asyncio.run(run()) is None
+    assert event.synchronized_by.name == "cuda-event-waiter"
+
+
 def test_one_thread_serves_every_wait_and_leaves_when_idle():
-    waiter = EventWaiter(idle_seconds=0.2)
+    waiter = EventWaiter(spin_seconds=0, idle_seconds=0.2)
     before = len(waiter_threads())
 
     async def wait_all(count):
@@ -85,7 +127,7 @@ def test_one_thread_serves_every_wait_and_leaves_when_idle():
 
 
 def test_a_wait_whose_loop_closed_does_not_stop_the_thread():
-    waiter = EventWaiter()
+    waiter = EventWaiter(spin_seconds=0)
     orphan = HostEvent()
 
     async def leave_one_behind():
@@ -107,7 +149,7 @@ def test_a_wait_whose_loop_closed_does_not_stop_the_thread():
 
 @pytest.mark.parametrize("error", [None, ValueError("cuda error")])
 def test_the_executor_fallback_keeps_the_same_contract(monkeypatch, error):
-    waiter = EventWaiter()
+    waiter = EventWaiter(spin_seconds=0)
 
     start = threading.Thread.start
 

@@ -1,6 +1,6 @@
 """CoalescedCopies' batching rules on CPU, with a host copier in BlockCopier's shape (launch ->
-an event with synchronize(), waited by the EventWaiter's thread); tests/gpu/test_block_copy_gpu.py
-runs it with the real BlockCopier on a GPU."""
+an event with query() and synchronize(), waited by the EventWaiter: polled on the loop, then
+on its thread); tests/gpu/test_block_copy_gpu.py runs it with the real BlockCopier on a GPU."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tandem.workers.kv.event_waiter import EventWaiter
 from tandem.workers.kv.ipc_copies import CoalescedCopies
 
 
@@ -28,12 +29,25 @@ class HostCopier:
         self.launches.append((src_ids, dst_ids))
         copier = self
 
-        class Done:
+        class Done:  # the 'GPU' copies once the gate is open
+            landed = False
+
+            def query(self):
+                if not copier.gate.is_set():
+                    return False
+                self.land()
+                return True
+
             def synchronize(self):
                 copier.gate.wait()
+                self.land()
+
+            def land(self):
                 if copier.copy_error:
                     raise RuntimeError(copier.copy_error)
-                copier.dst[dst_ids] = copier.src[src_ids]
+                if not self.landed:
+                    copier.dst[dst_ids] = copier.src[src_ids]
+                    self.landed = True
 
         return Done()
 
@@ -108,7 +122,7 @@ def test_a_failed_copy_fails_its_batch_after_the_wait_and_later_copies_still_lan
     assert copier.dst.tolist() == [5, 0, 0, 0, 0, 0]
 
 
-def test_waits_run_on_one_long_lived_thread_not_the_default_executor():
+def test_waits_are_polled_then_run_on_one_long_lived_thread_not_the_executor():
     copier = HostCopier(torch.arange(4.0), torch.zeros(4))
     waited_on = set()
     launch = copier.launch
@@ -121,11 +135,15 @@ def test_waits_run_on_one_long_lived_thread_not_the_default_executor():
 
     copier.launch = launch_and_note
 
-    async def run():
-        copies = CoalescedCopies(stream=None)
+    async def run(waiter):
+        copies = CoalescedCopies(stream=None, waiter=waiter)
         for i in range(10):  # ten turns, ten launches
             await copies.copy(copier, [i % 4], [(i + 1) % 4])
 
-    asyncio.run(run())
+    asyncio.run(run(EventWaiter(spin_seconds=0)))  # straight to the thread
     assert len(copier.launches) == 10
     assert [t.name for t in waited_on] == ["cuda-event-waiter"]
+    waited_on.clear()
+    polling = EventWaiter()
+    asyncio.run(run(polling))  # complete at the first poll: no thread at all
+    assert len(copier.launches) == 20 and not waited_on and not polling.running
