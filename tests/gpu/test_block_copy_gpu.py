@@ -1,7 +1,8 @@
 """The one-pass KV block gather (workers/ops/gpu/block_copy.py) against torch indexing, bit for
 bit: stacked caches (one launch for every layer), views with storage offsets, unaligned block
-sizes, cache tensors of different widths copied tensor by tensor (cuda_ipc.BlockCopier), and
-concurrent copies coalesced into one launch (kv/ipc_copies.py)."""
+sizes, cache tensors of different widths copied tensor by tensor (cuda_ipc.BlockCopier),
+concurrent copies coalesced into one launch (kv/ipc_copies.py), the direct launch of the
+compiled kernel after the first one, and pinned id buffers reused under back-to-back copies."""
 from __future__ import annotations
 
 import pytest
@@ -85,6 +86,105 @@ def test_concurrent_copies_coalesce_and_land_bit_exactly():
     for s_ids, d_ids in jobs:
         before[:, d_ids] = torch.stack(src)[:, s_ids]
     assert same_bytes(stack, before)
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.bfloat16, (16, 8, 128)), (torch.float32, (4, 2, 3))])
+def test_direct_launches_are_bit_exact_for_every_pair_count(dtype, block):
+    """The first launch goes through Triton's binder; every later one calls the compiled kernel
+    directly. Pair counts Triton would specialize on (1, multiples of 16) come after others,
+    so a wrongly reused variant would copy the wrong number of blocks."""
+    from tandem.workers.ops.gpu.block_copy import BlockGather
+
+    layers, num_blocks = 3, 300
+    src = random_bits((layers, num_blocks, *block), dtype)
+    dst = random_bits((layers, num_blocks, *block), dtype)
+    gather = BlockGather(src, dst)
+    generator = torch.Generator().manual_seed(1)
+    for launch, n in enumerate([5, 1, 16, 17, 2, 64, 1, 255, 33, 300]):
+        src_ids = torch.randint(0, num_blocks, (n,), generator=generator).tolist()
+        dst_ids = torch.randperm(num_blocks, generator=generator)[:n].tolist()
+        ids = torch.tensor([src_ids, dst_ids], dtype=torch.int32)
+        ids = ids.pin_memory() if launch % 2 else ids.cuda()  # host-pinned and device ids
+        expected = dst.clone()
+        expected[:, dst_ids] = src[:, src_ids]
+        gather(ids, torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        assert same_bytes(dst, expected), f"launch {launch}: {n} pairs"
+        assert gather.direct_launches == launch  # all but the first were direct
+
+
+def test_launch_hooks_take_the_plain_path():
+    from triton import knobs
+
+    from tandem.workers.ops.gpu.block_copy import BlockGather
+
+    src, dst = random_bits((2, 8, 64), torch.float16), random_bits((2, 8, 64), torch.float16)
+    gather = BlockGather(src, dst)
+    ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device="cuda")
+    gather(ids)
+    launches = []
+    hook = knobs.runtime.launch_enter_hook
+    hook.add(launches.append)  # Triton 3.6: a HookChain, as a profiler installs it
+    try:
+        gather(ids)
+    finally:
+        hook.remove(launches.append)
+    torch.cuda.synchronize()
+    assert gather.direct_launches == 0 and len(launches) == 1
+    gather(ids)
+    assert gather.direct_launches == 1
+
+
+def test_back_to_back_copies_never_reuse_an_id_buffer_still_being_read():
+    """Launches queue behind a sleeping kernel, so every id buffer is still unread when the next
+    copy fills one: reusing any of them early would send a queued kernel to other blocks."""
+    stack = random_bits((4, 256, 16, 64), torch.bfloat16)
+    src, dst = list(random_bits((4, 256, 16, 64), torch.bfloat16)), list(stack)
+    copier = cuda_ipc.BlockCopier(src, dst)
+    expected = stack.clone()
+    stream = torch.cuda.Stream()
+    copier.copy([0], [0], stream)  # compile outside the timed window
+    expected[:, 0] = torch.stack(src)[:, 0]
+    generator = torch.Generator().manual_seed(2)
+    order = torch.randperm(255, generator=generator).add(1).tolist()
+    events = []
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copies run
+    used = 0
+    for n in [1, 3, 64, 2, 65, 7, 1, 40, 70, 2]:
+        src_ids = torch.randint(0, 256, (n,), generator=generator).tolist()
+        dst_ids = order[used:used + n]
+        used += n
+        events.append(copier.launch(src_ids, dst_ids, stream))
+        expected[:, dst_ids] = torch.stack(src)[:, src_ids]
+    assert not events[0].query(), "the copies ran before the test could queue them all"
+    # the warm-up copy's buffer (completed) is reused once, then none while its kernel waits
+    assert copier.ids.allocated == 10
+    torch.cuda.synchronize()
+    assert same_bytes(stack, expected)
+    allocated = copier.ids.allocated
+    for _ in range(5):  # completed: the buffers come back
+        copier.copy([5, 6], [7, 8], stream)
+    assert copier.ids.allocated == allocated
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_stream_of_another_device_gets_a_correct_launch():
+    from tandem.workers.ops.gpu.block_copy import BlockGather
+
+    with torch.cuda.device(1):
+        src = random_bits((2, 8, 64), torch.float16)
+        dst = random_bits((2, 8, 64), torch.float16)
+        ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32, device="cuda:1")
+        stream = torch.cuda.Stream()
+    gather = BlockGather(src, dst)
+    expected = dst.clone()
+    expected[:, [3, 4]] = src[:, [1, 2]]
+    with torch.cuda.device(0):
+        gather(ids, stream)  # plain launch on cuda:1 (compiled there)
+        gather(ids, stream)  # current device 0: not the direct path
+    torch.cuda.synchronize(1)
+    assert same_bytes(dst, expected) and gather.direct_launches == 0
 
 
 def test_gather_refuses_mismatched_caches():

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import socket
 import uuid
-from array import array
 from dataclasses import dataclass
 
 import torch
@@ -174,8 +173,8 @@ class BlockCopier:
 
     src and dst are layer-major lists (flat_caches) on one device; src may be a peer's mapping.
     With Triton, one gather kernel per stacked cache (else one per tensor) reads each source
-    block once and writes its destination block directly; without it, index_select +
-    index_copy_ (two passes)."""
+    block once and writes its destination block directly, its block ids read from a reused
+    pinned buffer (pinned_ids.py); without it, index_select + index_copy_ (two passes)."""
 
     def __init__(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
         if len(src) != len(dst):
@@ -191,9 +190,11 @@ class BlockCopier:
         from tandem.workers.ops.backend import triton_available
 
         if triton_available():
+            from tandem.workers.kv.pinned_ids import PinnedBlockIds
             from tandem.workers.ops.gpu.block_copy import BlockGather
 
             self.gathers = [BlockGather(s, d) for s, d in self.pairs]
+            self.ids = PinnedBlockIds()  # the gathers' block ids, reused once read
 
     @property
     def one_launch(self) -> bool:
@@ -203,17 +204,44 @@ class BlockCopier:
                stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
         """Queues dst[i][dst_ids] = src[i][src_ids] for every tensor on `stream` (default: the
         current one) after the work already queued on the current stream (the reserved
-        blocks' last writers); returns an event that completes with the copy."""
+        blocks' last writers); returns an event that completes with the copy. If it raises,
+        nothing it queued is still running."""
         check_block_pairs(src_ids, dst_ids)
-        stream = stream or torch.cuda.current_stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        stream = stream or current
+        if stream != current:
+            stream.wait_stream(current)
         done = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            # The kernel may read host memory (the block ids) until `done` completes: the
-            # event keeps it alive, and whoever waits on the event holds it till then.
-            done.inputs = self._gather(src_ids, dst_ids) if src_ids else None
+        if not src_ids:
             done.record(stream)
+            return done
+        # The kernels read the ids from pinned host memory in place (a few KiB over PCIe: no
+        # upload to queue) until `done` completes: the buffer goes back to the pool only with
+        # `done` (pinned_ids.py), and `done.inputs` keeps it alive even if this copier dies.
+        lent = None
+        try:
+            if self.gathers is None:
+                with torch.cuda.stream(stream):
+                    done.inputs = self._index_copy(src_ids, dst_ids)  # alive until `done`
+            else:
+                done.inputs = lent = self.ids.fill(src_ids, dst_ids)
+                for gather in self.gathers:
+                    gather(lent, stream)
+        except BaseException:
+            # Work queued before the failure still reads the ids and writes dst blocks: wait it
+            # out, so a failed launch leaves nothing running (callers rely on it).
+            self._record(done, stream, lent)
+            done.synchronize()
+            raise
+        self._record(done, stream, lent)
         return done
+
+    def _record(self, done: torch.cuda.Event, stream: torch.cuda.Stream,
+                lent: torch.Tensor | None) -> None:
+        """Records `done` after the copy's work; a lent id buffer comes back with it."""
+        done.record(stream)
+        if lent is not None:
+            self.ids.retire(lent, done)
 
     def copy(self, src_ids: list[int], dst_ids: list[int],
              stream: torch.cuda.Stream | None = None) -> int:
@@ -221,16 +249,9 @@ class BlockCopier:
         self.launch(src_ids, dst_ids, stream).synchronize()
         return len(src_ids) * self.block_bytes
 
-    def _gather(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
-        """Queues the copy; returns the tensor of block ids it reads."""
-        if self.gathers is not None:
-            # Pinned host memory, which the kernel reads in place over PCIe (a few KiB): no
-            # upload to queue, and no host wait for the stream's earlier copies.
-            ids = torch.frombuffer(array("i", src_ids + dst_ids), dtype=torch.int32)
-            ids = ids.pin_memory().view(2, len(src_ids))
-            for gather in self.gathers:
-                gather(ids)
-            return ids
+    def _index_copy(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
+        """Without Triton: index_select + index_copy_ on the current stream; returns the
+        device tensor of block ids they read."""
         ids = torch.tensor([src_ids, dst_ids], dtype=torch.long).to(self.device,
                                                                      non_blocking=True)
         for s, d in self.pairs:

@@ -1,25 +1,31 @@
 """Batches the decode side's cuda-ipc copies: every copy requested in one event-loop turn from
-the same peer is launched as one gather (one id upload, one kernel), then awaited together in
-a thread, so a burst of handoffs costs one launch instead of one per handle.
+the same peer is launched as one gather (one id buffer, one kernel), then awaited together, so
+a burst of handoffs costs one launch instead of one per handle.
 
     copies = CoalescedCopies(stream)
     await copies.copy(copier, src_ids, dst_ids)   # copier: cuda_ipc.BlockCopier of the peer
 
 Invariant: `copy` returns (or raises, or propagates a cancellation) only once the GPU has
 finished writing dst_ids, so a caller never frees or activates blocks a copy still writes.
+Its future is settled only by the launch raising (BlockCopier.launch raises with nothing of it
+still running) or by the EventWaiter once the launch's event completed (event_waiter.py: a
+short poll on the loop, then one long-lived thread instead of a thread-pool hop per wait; the
+launches of one CoalescedCopies share its stream, so their events complete in launch order).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 
 from tandem.workers.kv.cuda_ipc import check_block_pairs
+from tandem.workers.kv.event_waiter import EventWaiter
 
 
 class CoalescedCopies:
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, waiter: EventWaiter | None = None) -> None:
         self._stream = stream
         self._pending: dict[int, tuple[object, list]] = {}  # id(copier) -> (copier, requests)
-        self._waits: set[asyncio.Task] = set()  # the loop keeps only weak task references
+        self._waiter = waiter or EventWaiter()
 
     async def copy(self, copier, src_ids: list[int], dst_ids: list[int]) -> None:
         check_block_pairs(src_ids, dst_ids)  # here, so a bad request fails alone
@@ -36,27 +42,17 @@ class CoalescedCopies:
             raise
 
     def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
         pending, self._pending = self._pending, {}
         for copier, requests in pending.values():
             futures = [done for _, _, done in requests]
             try:
                 event = copier.launch([i for src, _, _ in requests for i in src],
                                       [i for _, dst, _ in requests for i in dst], self._stream)
-            except Exception as exc:  # nothing was queued: every requester gets the error
+            except Exception as exc:  # nothing of it is running: every requester gets the error
                 _finish(futures, exc)
                 continue
-            task = asyncio.ensure_future(self._wait(event, futures))
-            self._waits.add(task)
-            task.add_done_callback(self._waits.discard)
-
-    @staticmethod
-    async def _wait(event, futures) -> None:
-        try:
-            await asyncio.to_thread(event.synchronize)
-        except Exception as exc:
-            _finish(futures, exc)
-            return
-        _finish(futures, None)
+            self._waiter.when_done(event, loop, functools.partial(_finish, futures))
 
 
 def _finish(futures: list[asyncio.Future], exc: BaseException | None) -> None:

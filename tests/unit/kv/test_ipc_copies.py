@@ -1,6 +1,6 @@
 """CoalescedCopies' batching rules on CPU, with a host copier in BlockCopier's shape (launch ->
-an event with synchronize()); tests/gpu/test_block_copy_gpu.py runs it with the real
-BlockCopier on a GPU."""
+an event with query() and synchronize(), waited by the EventWaiter: polled on the loop, then
+on its thread); tests/gpu/test_block_copy_gpu.py runs it with the real BlockCopier on a GPU."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tandem.workers.kv.event_waiter import EventWaiter
 from tandem.workers.kv.ipc_copies import CoalescedCopies
 
 
@@ -20,6 +21,7 @@ class HostCopier:
         self.launches: list[tuple[list[int], list[int]]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.copy_error: str | None = None  # the 'GPU' fails the copy (synchronize raises)
 
     def launch(self, src_ids, dst_ids, stream=None):
         if self.fail:
@@ -27,10 +29,25 @@ class HostCopier:
         self.launches.append((src_ids, dst_ids))
         copier = self
 
-        class Done:
+        class Done:  # the 'GPU' copies once the gate is open
+            landed = False
+
+            def query(self):
+                if not copier.gate.is_set():
+                    return False
+                self.land()
+                return True
+
             def synchronize(self):
                 copier.gate.wait()
-                copier.dst[dst_ids] = copier.src[src_ids]
+                self.land()
+
+            def land(self):
+                if copier.copy_error:
+                    raise RuntimeError(copier.copy_error)
+                if not self.landed:
+                    copier.dst[dst_ids] = copier.src[src_ids]
+                    self.landed = True
 
         return Done()
 
@@ -83,3 +100,50 @@ def test_a_cancelled_copy_returns_only_after_its_blocks_are_written():
         assert copier.dst[2] == 1
 
     asyncio.run(run())
+
+
+def test_a_failed_copy_fails_its_batch_after_the_wait_and_later_copies_still_land():
+    copier = HostCopier(torch.arange(6.0), torch.zeros(6))
+    copier.copy_error = "an illegal memory access was encountered"
+    copier.gate.clear()
+
+    async def run():
+        copies = CoalescedCopies(stream=None)
+        batch = asyncio.gather(copies.copy(copier, [1], [2]), copies.copy(copier, [3], [4]),
+                               return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert not batch.done()  # the error is known only once the wait returns
+        copier.gate.set()
+        assert [str(r) for r in await batch] == [copier.copy_error] * 2
+        copier.copy_error = None
+        await copies.copy(copier, [5], [0])
+
+    asyncio.run(run())
+    assert copier.dst.tolist() == [5, 0, 0, 0, 0, 0]
+
+
+def test_waits_are_polled_then_run_on_one_long_lived_thread_not_the_executor():
+    copier = HostCopier(torch.arange(4.0), torch.zeros(4))
+    waited_on = set()
+    launch = copier.launch
+
+    def launch_and_note(src_ids, dst_ids, stream=None):
+        done = launch(src_ids, dst_ids, stream)
+        sync = done.synchronize
+        done.synchronize = lambda: waited_on.add(threading.current_thread()) or sync()
+        return done
+
+    copier.launch = launch_and_note
+
+    async def run(waiter):
+        copies = CoalescedCopies(stream=None, waiter=waiter)
+        for i in range(10):  # ten turns, ten launches
+            await copies.copy(copier, [i % 4], [(i + 1) % 4])
+
+    asyncio.run(run(EventWaiter(spin_seconds=0)))  # straight to the thread
+    assert len(copier.launches) == 10
+    assert [t.name for t in waited_on] == ["cuda-event-waiter"]
+    waited_on.clear()
+    polling = EventWaiter()
+    asyncio.run(run(polling))  # complete at the first poll: no thread at all
+    assert len(copier.launches) == 20 and not waited_on and not polling.running
