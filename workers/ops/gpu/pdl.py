@@ -43,4 +43,3 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
