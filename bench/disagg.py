@@ -23,7 +23,9 @@ SLO reported, then the bracket is refined once; it stops early when the next run
 --sweep-seconds (the goodput is then a lower bound, ">="). A run sends max(--min-requests,
 rate x --run-seconds) requests after --warmup uncounted ones, each to max_tokens (min_tokens =
 max_tokens); prompts are seeded by mix and rate, so both layouts get the identical stream at a
-rate and no run hits another's prefix cache. Workers are idle before each run.
+rate and no run hits another's prefix cache. Workers are idle before each run. Before the
+sweeps each stack gets a closed-loop warm-up and --settle-runs uncounted runs per mix at its
+first rate (a stack's first loaded run can be slower than its later ones).
 
 The report: one line per run (SLO attainment, "kept up" = completions / arrivals over the run's
 second half, TTFT/TPOT percentiles, CPU share of the router and of this client process: near
@@ -68,14 +70,14 @@ _GPU = {"devices": "cuda:0,cuda:1", "dtype": "bfloat16", "kernels": "auto",
         "max_model_len": 8192, "num_kv_blocks": 20000, "max_num_seqs": 128,
         "prefill_heavy_input": "uniform:2000:4000", "prefill_heavy_output": "uniform:32:64",
         "decode_heavy_input": "uniform:100:300", "decode_heavy_output": "uniform:128:256",
-        "request_timeout": 30.0, "warmup_requests": 8}
+        "request_timeout": 30.0, "warmup_requests": 8, "settle_runs": 1}
 # Defaults per preset; a flag given on the command line wins.
 DEFAULTS = {
     "gpu": {**_GPU, "prefill_heavy_start_rate": 4.0, "decode_heavy_start_rate": 8.0,
             "rate_factor": 1.4, "run_seconds": 15.0, "min_requests": 30, "warmup": 4,
             "sweep_seconds": 180.0},
-    # Sized for 2 H200s: model folder, 2 x (stack start, warm-up, stop) ~1.5 min, and 4 sweeps
-    # of <= 65 s (+ the last run's overshoot): ~5.5-6.5 min in all.
+    # Sized for 2 H200s: model folder, 2 x (stack start, warm-up, settle runs, stop) ~2 min,
+    # and 4 sweeps of <= 65 s (+ the last run's overshoot): ~6-7 min in all.
     "quick": {**_GPU, "prefill_heavy_start_rate": 5.0, "decode_heavy_start_rate": 12.0,
               "rate_factor": 1.6, "run_seconds": 8.0, "min_requests": 16, "warmup": 2,
               "sweep_seconds": 65.0},
@@ -83,7 +85,7 @@ DEFAULTS = {
               "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 8,
               "prefill_heavy_input": "uniform:48:96", "prefill_heavy_output": "uniform:2:3",
               "decode_heavy_input": "uniform:4:8", "decode_heavy_output": "uniform:10:16",
-              "request_timeout": 20.0, "warmup_requests": 2,
+              "request_timeout": 20.0, "warmup_requests": 2, "settle_runs": 0,
               "prefill_heavy_start_rate": 4.0, "decode_heavy_start_rate": 4.0,
               "rate_factor": 2.0, "run_seconds": 1.5, "min_requests": 4, "warmup": 0,
               "sweep_seconds": 4.0},
@@ -121,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-requests", type=int, help="measured requests per run, at least")
     p.add_argument("--warmup", type=int, help="uncounted requests before each run")
     p.add_argument("--warmup-requests", type=int, help="per mix, once per stack, before runs")
+    p.add_argument("--settle-runs", type=int, metavar="N",
+                   help="uncounted open-loop runs at each mix's first rate, once per stack")
     p.add_argument("--sweep-seconds", type=float, metavar="S",
                    help="time allowance of one layout x mix sweep")
     p.add_argument("--request-timeout", type=float, metavar="S",
@@ -219,7 +223,22 @@ def _warm_up(args, router: str) -> None:
             timeout_s=args.ready_timeout))
 
 
-def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dict:
+def _settle(args, stack: LocalStack, router: str) -> None:
+    """--settle-runs uncounted runs per mix at its first rate. The closed-loop warm-up does
+    not load a stack like an open-loop run: on 2 H200s the first measured run of the
+    disaggregated stack had a TTFT p90 of 1.5-1.7 s where later, faster runs had 0.3 s
+    (bench/results/disagg-diag-h200x2-s5.log), which alone set the goodput."""
+    for _ in range(args.settle_runs):
+        for mix in args.mix_list:
+            start = getattr(args, f"{mix.replace('-', '_')}_start_rate")
+            rate = (args.mix_rates[mix] or [start])[0]
+            run = run_once(args, stack, router, mix, rate, seed_offset=7 * 10**6)  # unused seeds
+            _log(f"settle run, {mix} / {rate:.3g} req/s (not counted): "
+                 f"{run['row']['attainment']:.0%} met the SLO")
+
+
+def run_once(args, stack: LocalStack, router: str, mix: str, rate: float,
+             seed_offset: int = 0) -> dict:
     """One open-loop run at `rate` on an idle stack: its row and per-request samples."""
     input_len, output_len = _lengths(args, mix)
     if not stack.wait_idle():
@@ -230,7 +249,8 @@ def run_once(args, stack: LocalStack, router: str, mix: str, rate: float) -> dic
         router=router, rate=rate, num_requests=max(args.min_requests,
                                                    math.ceil(rate * args.run_seconds)),
         warmup=args.warmup, input_len=input_len, output_len=output_len,
-        seed=args.seed + 10**6 * (1 + MIXES.index(mix)) + round(rate * 1000),  # disjoint
+        seed=args.seed + seed_offset + 10**6 * (1 + MIXES.index(mix))  # disjoint per run
+        + round(rate * 1000),
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.request_timeout,
         show_progress=True))
     seconds = time.monotonic() - started
@@ -308,6 +328,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
         phase(f"{layout}: start")
         try:
             _warm_up(args, router)
+            _settle(args, stack, router)
             phase(f"{layout}: warm-up")
             for mix in args.mix_list:
                 runs += sweep(args, stack, router, layout, mix)

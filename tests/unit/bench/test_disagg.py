@@ -161,7 +161,8 @@ def test_cpu_smoke_sweeps_both_layouts_and_mixes_end_to_end(tmp_path):
     out = tmp_path / "disagg.json"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tandem.bench.disagg", "--cpu-smoke",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--settle-runs", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -183,6 +184,8 @@ def test_cpu_smoke_sweeps_both_layouts_and_mixes_end_to_end(tmp_path):
     for mix in ("prefill-heavy", "decode-heavy"):
         assert set(result["summary"][mix]["by_tpot_slo"]) == {"0.01", "0.015", "0.025",
                                                               "0.05"}
+    # one uncounted settle run per layout x mix, before the sweeps, not among the runs
+    assert proc.stderr.count("settle run, ") == 4, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("=====") and lines[-2].startswith("phases (")
     print(f"cpu smoke took {elapsed:.1f} s")
