@@ -103,7 +103,7 @@ def test_call_sequence_matches_torch_backend(monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_kernels_choice_resolves_per_device(monkeypatch):
+def test_kernels_choice_resolves_per_device(monkeypatch, caplog):
     from tandem.workers.ops import backend as backend_mod
     from tandem.workers.ops.backend import KernelBackend, resolve_backend
 
@@ -118,7 +118,12 @@ def test_kernels_choice_resolves_per_device(monkeypatch):
     assert resolve_backend("auto", "cuda") is KernelBackend.AITER_TRITON
     assert resolve_backend("auto", "cpu") is KernelBackend.TORCH
     monkeypatch.setattr(backend_mod, "aiter_available", lambda: False)
-    assert resolve_backend("auto", "cuda") is KernelBackend.TORCH  # auto falls back quietly
+    backend_mod._warn_torch_on_gpu.cache_clear()
+    with caplog.at_level("WARNING", logger=backend_mod.logger.name):
+        for _ in range(3):  # auto falls back, saying once what is missing
+            assert resolve_backend("auto", "cuda") is KernelBackend.TORCH
+    warnings = [r.getMessage() for r in caplog.records if "torch kernels run" in r.getMessage()]
+    assert len(warnings) == 1 and "amd-aiter is not installed" in warnings[0]
     with pytest.raises(ValueError, match="pip install amd-aiter"):
         resolve_backend("aiter-triton", "cuda")  # an explicit choice says what is missing
 
