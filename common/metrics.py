@@ -189,3 +189,14 @@ class WorkerMetrics(_Metrics):
                                                "KV bytes pulled from prefill workers.")
         self.kv_transfer_failures = self._counter("tandem:kv_transfer_failures",
                                                   "KV pulls that failed.")
+        self.jit_compiles = self._counter(
+            "tandem:jit_compiles", "Triton kernel variants compiled, at startup or while "
+            "serving (a serving compile stalls the engine step).", ("phase",))
+        self.jit_compile_seconds = self._counter(
+            "tandem:jit_compile_seconds", "Seconds spent compiling Triton kernel variants.",
+            ("phase",))
+
+    def record_jit_compile(self, kernel: str, seconds: float, serving: bool) -> None:
+        phase = "serving" if serving else "startup"
+        self.jit_compiles.labels(phase=phase).inc()
+        self.jit_compile_seconds.labels(phase=phase).inc(seconds)

@@ -31,6 +31,7 @@ from tandem.workers.kv import nixl_backend
 from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
                                          nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
+from tandem.workers.ops.jit_compiles import JitCompileWatch
 from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
 
 logger = get_logger("tandem.worker")
@@ -116,20 +117,24 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--kv-transfer nixl needs NIXL: pip install 'tandem[nixl]'")
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
-    engine = await asyncio.to_thread(LLMEngine, config)
     metrics = WorkerMetrics(Path(args.model).name, args.role)
+    compiles = JitCompileWatch(metrics.record_jit_compile)
+    compiles.install()  # logs every Triton compile; warns about those while serving
+    engine = await asyncio.to_thread(LLMEngine, config)
     async_engine = AsyncEngine(engine,
                                on_step=WorkerMetricsRecorder(engine, metrics).after_step)
     try:
-        await _serve_engine(args, async_engine, metrics, tls)
+        await _serve_engine(args, async_engine, metrics, tls, compiles)
     finally:
+        compiles.uninstall()
         await async_engine.stop()
         engine.shutdown()  # follower ranks (TP) stop after the engine thread's last step
     logger.info("stopped")
 
 
 async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
-                        metrics: WorkerMetrics, tls: TLSFiles | None) -> None:
+                        metrics: WorkerMetrics, tls: TLSFiles | None,
+                        compiles: JitCompileWatch) -> None:
     engine = async_engine.engine
     model_name = Path(args.model).name
     async_engine.start()
@@ -172,7 +177,9 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s worker serving %s on %s", args.role, args.model, address)
+    logger.info("%s worker serving %s on %s (%d Triton compiles at startup)", args.role,
+                args.model, address, compiles.num_compiles)
+    compiles.mark_serving()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
