@@ -1,7 +1,8 @@
 """Feeds a worker's Prometheus metrics from its engine, on the engine thread after each step.
 
 Counters kept by the engine (prefix cache, preemptions, finished requests, lease expiries) are
-cumulative there; this turns them into Prometheus counter increments by difference.
+cumulative there; this turns them into Prometheus counter increments by difference, from
+their values when the recorder is made (so a startup warm-up is not counted).
 """
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ class WorkerMetricsRecorder:
     def __init__(self, engine: LLMEngine, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self._seen: dict[str, float] = {}
-        self._finished: Counter[str] = Counter()
-        metrics.num_kv_blocks.set(engine.block_manager.num_blocks)
+        manager = engine.block_manager
+        self._seen: dict[str, float] = {
+            "queries": manager.prefix_cache_queries, "hits": manager.prefix_cache_hits,
+            "preemptions": engine.scheduler.num_preemptions,
+            "expiries": engine.num_expired_leases}
+        self._finished: Counter[str] = Counter(engine.num_finished)
+        metrics.num_kv_blocks.set(manager.num_blocks)
         self.update_gauges()
 
     def after_step(self, updated: list[Sequence] | None) -> None:

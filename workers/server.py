@@ -23,6 +23,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import kv_cache_kind
+from tandem.workers.engine.warm_up import warm_up
 from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "aiter-triton | torch")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every GPU decode step eagerly")
+    p.add_argument("--skip-warm-up", action="store_true",
+                   help="GPU workers run synthetic requests before serving, so kernels compile "
+                        "at startup (workers/engine/warm_up.py); this skips it")
     p.add_argument("--load-format", default="auto",
                    help="auto (the checkpoint's safetensors) | dummy (random weights from "
                         "config.json alone, for benchmarks)")
@@ -121,6 +125,8 @@ async def serve(args: argparse.Namespace) -> None:
     compiles = JitCompileWatch(metrics.record_jit_compile)
     compiles.install()  # logs every Triton compile; warns about those while serving
     engine = await asyncio.to_thread(LLMEngine, config)
+    if engine.resolved.device.type == "cuda" and not args.skip_warm_up:
+        await asyncio.to_thread(warm_up, engine)  # before the engine thread: one driver
     async_engine = AsyncEngine(engine,
                                on_step=WorkerMetricsRecorder(engine, metrics).after_step)
     try:
