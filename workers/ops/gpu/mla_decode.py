@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.gpu.paged_decode import combine_splits, num_splits_for
+from tandem.workers.ops.gpu.paged_decode import (combine_splits, num_splits_for,
+                                                 online_softmax_step)
 
 __all__ = ["mla_decode_attention", "mla_num_splits", "write_latent_cache"]
 
@@ -89,16 +90,7 @@ def _mla_split_kernel(
             s = tl.dot(q_lat, tl.trans(latent))
             s += tl.dot(q_pe, tl.trans(rope))
         s = tl.where(mask_n[None, :], s * scale, float("-inf"))  # [H_blk, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a visible key
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(latent.dtype), latent, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(latent.dtype), latent)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, latent, m_i, l_i, acc, IEEE)
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -39,14 +39,11 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
-def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-    """One online-softmax step over a tile of keys: returns the updated (m_i, l_i, acc)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(mask_n[None, :], s * scale, float("-inf"))  # [G, N]
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a visible key
+def online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of an online softmax: s [G, N] scaled scores (-inf where masked, at least one
+    visible key), v [N, D]; returns the updated running max m_i, sum l_i and acc [G, D].
+    Shared with mla_decode.py, whose scores come from two dots."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -58,9 +55,20 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One online-softmax step over a tile of keys: returns the updated (m_i, l_i, acc)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(mask_n[None, :], s * scale, float("-inf"))  # [G, N]
+    return online_softmax_step(s, v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        part_out_ptr, part_lse_ptr, scale,
+        part_out_ptr, part_lse_ptr, scale, num_splits,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_slot, stride_k_head,
         stride_v_block, stride_v_slot, stride_v_head,
@@ -68,7 +76,7 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        PREFETCH: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,7 +91,7 @@ def _decode_split_kernel(
     if SLIDING_WINDOW > 0:
         first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
     # Splits are whole tiles so that only the last tile of a split is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -142,18 +150,24 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     # part_out [B, H, NUM_SPLITS, HEAD_DIM_PAD], part_lse [B, H, NUM_SPLITS], contiguous.
-    row = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS + split  # [G]
+    row = (seq * num_kv_heads * GROUP + heads) * num_splits + split  # [G]
     tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :], out,
              mask=mask_g[:, None])
     tl.store(part_lse_ptr + row, lse, mask=mask_g)
 
 
 @triton.jit
-def _combine_head(part_out_ptr, part_lse_ptr, sinks_ptr, row, head, offs_d,
-                  HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                  HAS_SINKS: tl.constexpr):
-    """Pass 2 for one (sequence, query head) whose partials start at `row` (module docstring)."""
+def _combine_splits_kernel(
+        part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    wait_for_previous_kernel(USE_PDL)
+    num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
+    row = (seq * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row + offs_s)  # [S]
     m = tl.max(lse, 0)
     if HAS_SINKS:
@@ -166,22 +180,7 @@ def _combine_head(part_out_ptr, part_lse_ptr, sinks_ptr, row, head, offs_d,
         denom += tl.exp(sink - m)
     denom = tl.where(denom > 0, denom, 1.0)
     parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-    return tl.sum(parts * weights[:, None], 0) / denom
-
-
-@triton.jit
-def _combine_splits_kernel(
-        part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    wait_for_previous_kernel(USE_PDL)
-    num_heads = tl.num_programs(1)
-    offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
-    out = _combine_head(part_out_ptr, part_lse_ptr, sinks_ptr,
-                        (seq * num_heads + head) * NUM_SPLITS, head, offs_d, HEAD_DIM_PAD,
-                        NUM_SPLITS, HAS_SINKS)
+    out = tl.sum(parts * weights[:, None], 0) / denom
     tl.store(out_ptr + seq * stride_out_tok + head * stride_out_head + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -252,7 +251,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = pdl_enabled(q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -261,7 +260,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
         IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
-        PREFETCH=prefetch, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages)
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     combine_splits(part_out, part_lse, out, sinks)
     return out
 
