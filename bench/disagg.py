@@ -213,6 +213,10 @@ def _lengths(args, mix: str) -> tuple[str, str]:
     return getattr(args, f"{key}_input"), getattr(args, f"{key}_output")
 
 
+def _start_rate(args, mix: str) -> float:
+    return getattr(args, f"{mix.replace('-', '_')}_start_rate")
+
+
 def _warm_up(args, router: str) -> None:
     """Every mix's shapes once through the stack (JIT compiles, graph replays, KV moves)."""
     for mix in args.mix_list:
@@ -230,8 +234,7 @@ def _settle(args, stack: LocalStack, router: str) -> None:
     (bench/results/disagg-diag-h200x2-s5.log), which alone set the goodput."""
     for _ in range(args.settle_runs):
         for mix in args.mix_list:
-            start = getattr(args, f"{mix.replace('-', '_')}_start_rate")
-            rate = (args.mix_rates[mix] or [start])[0]
+            rate = (args.mix_rates[mix] or [_start_rate(args, mix)])[0]
             run = run_once(args, stack, router, mix, rate, seed_offset=7 * 10**6)  # unused seeds
             _log(f"settle run, {mix} / {rate:.3g} req/s (not counted): "
                  f"{run['row']['attainment']:.0%} met the SLO")
@@ -271,7 +274,7 @@ def sweep(args, stack: LocalStack, router: str, layout: str, mix: str) -> list[d
     """The adaptive sweep (or the explicit --<mix>-rates) of one layout x mix."""
     explicit = args.mix_rates[mix]
     queue = list(explicit or [])
-    rates = RateSweep(start=getattr(args, f"{mix.replace('-', '_')}_start_rate"),
+    rates = RateSweep(start=_start_rate(args, mix),
                       factor=args.rate_factor, stop_slo=(args.slo_ttft, max(args.tpot_list)),
                       target=args.attainment)
     runs, points, started = [], [], time.monotonic()
