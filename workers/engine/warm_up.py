@@ -4,9 +4,13 @@ real traffic reaches are compiled (Triton JIT) at startup instead of inside a re
     report = warm_up(engine)      # every request finished; the engine is idle again
 
 Which variants a step needs depends on its shape: prompt lengths under and over 256 tokens
-(AITER's unified_attention switches tile sizes there), several prompts in one step, a prompt
-longer than the step budget (its later chunks attend over cached context), contexts over 512
-keys, and decode steps at several batch sizes. The requests cover those shapes within the
+(AITER's unified_attention switches tile sizes there: BLOCK_M 16 or 128), one, several and
+sixteen prompts in one step (Triton specializes the kernels' num_seqs on == 1 and on multiples
+of 16), a prompt longer than the step budget (its later chunks attend over cached context),
+contexts over 512 keys at a few lengths (the 3D kernel's segment count follows them), and
+decode steps at several batch sizes. Measured on an H200 pair (bench/results/disagg-h200x2-s6.log):
+with only one- and four-prompt rounds, a prefill worker still compiled five 2D variants while
+serving, ~1 s each, inside the first requests' TTFT. The requests cover those shapes within the
 engine's limits (max_model_len, max_num_batched_tokens, max_num_seqs, free KV blocks) and
 generate two tokens each (one decode step). Their token ids are random, so no real prompt
 shares a cached prefix with them. The worker runs this on GPUs (workers/server.py); the
@@ -22,9 +26,10 @@ from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
-# Prompt lengths, one request each, then one step of several prompts together.
-SINGLE_LENGTHS = (1, 17, 200, 300, 700)
-TOGETHER_LENGTHS = (40, 130, 270, 600)
+# Prompt lengths, one request each, then steps of several prompts together (each round is cut
+# to max_num_seqs prompts): long and short (BLOCK_M 128), short only (BLOCK_M 16), sixteen.
+SINGLE_LENGTHS = (1, 17, 200, 300, 700, 1000, 2000)
+TOGETHER_ROUNDS = ((40, 130, 270, 600), (20, 50, 90), (24,) * 16)
 CHUNKED_EXTRA = 37  # past max_num_batched_tokens: a prompt prefilled in two or more chunks
 
 
@@ -43,7 +48,7 @@ def warm_up(engine, seed: int = 0) -> WarmUpReport:
     config, resolved = engine.config, engine.resolved
     longest = min(resolved.max_model_len - 3, _max_prompt_tokens(engine))
     rounds = [[n] for n in SINGLE_LENGTHS]
-    rounds.append(list(TOGETHER_LENGTHS[:config.max_num_seqs]))
+    rounds += [list(lengths[:config.max_num_seqs]) for lengths in TOGETHER_ROUNDS]
     rounds.append([config.max_num_batched_tokens + CHUNKED_EXTRA])
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0, ignore_eos=True)
