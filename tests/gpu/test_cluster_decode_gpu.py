@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers.ops.attention import paged_attention_torch
-from tandem.workers.ops.gpu.kv_cache import write_kv_cache
-from tandem.workers.ops.rotary import RotaryEmbedding
-from tests.helpers.gpu_paged import DEV, paged_case, rel
-
+pytest.importorskip("triton", reason="the reference KV write and RoPE are Triton kernels")
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
+from tandem.workers.ops.attention import paged_attention_torch  # noqa: E402
 from tandem.workers.ops.gpu.cluster_decode import (  # noqa: E402
     SHAPES, cluster_decode_attention, cluster_decode_supported)
+from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
+from tandem.workers.ops.rotary import RotaryEmbedding  # noqa: E402
+from tests.helpers.gpu_paged import DEV, paged_case, rel  # noqa: E402
 
 _probe = torch.empty(1, 8, 128, dtype=torch.bfloat16, device=DEV)
 _why_not = cluster_decode_supported(_probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16,

@@ -76,17 +76,21 @@ class JitCompileWatch:
                 started = self._started.pop((kernel, key), None)
                 self.num_compiles += 1
             seconds = time.monotonic() - started if started is not None else 0.0
-            if self._serving:
+            if self._serving:  # the variant key names what the warm-up missed
                 logger.warning("Triton compiled %s while serving: %.2f s (the engine step "
-                               "waited; a warm-up run at startup would move it there)",
-                               kernel, seconds)
+                               "waited; a warm-up run at startup would move it there); "
+                               "variant %s", kernel, seconds, key[:KEY_CHARS])
             else:
-                logger.info("Triton compiled %s in %.2f s", kernel, seconds)
+                logger.info("Triton compiled %s in %.2f s; variant %s", kernel, seconds,
+                            key[:KEY_CHARS])
             if self._on_compile is not None:
                 self._on_compile(kernel, seconds, self._serving)
         except Exception:  # never break a compile
             logger.exception("JIT compile watch: could not record a compile")
         return result
+
+
+KEY_CHARS = 1500  # of a variant key in the log: Triton's argument specialization and options
 
 
 def _identity(kwargs) -> tuple[str, str]:
