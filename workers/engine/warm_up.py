@@ -8,9 +8,13 @@ Which variants a step needs depends on its shape: prompt lengths under and over 
 sixteen prompts in one step (Triton specializes the kernels' num_seqs on == 1 and on multiples
 of 16), a prompt longer than the step budget (its later chunks attend over cached context),
 contexts over 512 keys at a few lengths (the 3D kernel's segment count follows them), and
-decode steps at several batch sizes. Measured on an H200 pair (bench/results/disagg-h200x2-s6.log):
-with only one- and four-prompt rounds, a prefill worker still compiled five 2D variants while
-serving, ~1 s each, inside the first requests' TTFT. The requests cover those shapes within the
+decode steps at several batch sizes. Known gap, measured on an H200 pair
+(bench/results/disagg-warmup-h200x2-s6.log): a prefill worker still compiles four AITER
+unified_attention 2D variants while serving, ~1 s each, inside the first requests' TTFT. The
+2D kernel runs only on steps that continue over <= 512 cached keys (a later chunk of a short
+prompt, a prefix-cache hit); these random fresh prompts take the SDPA path and the chunked one
+the 3D kernel. Rounds with cached context (one and several sequences, block-table widths
+divisible by 16 and not: the variants' keys differ in exactly that) would close it. The requests cover those shapes within the
 engine's limits (max_model_len, max_num_batched_tokens, max_num_seqs, free KV blocks) and
 generate two tokens each (one decode step). Their token ids are random, so no real prompt
 shares a cached prefix with them. The worker runs this on GPUs (workers/server.py); the
