@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.bench.engine_limits import copies_to_defeat_l2, measure_limits, time_graphed
+from tandem.bench.engine_limits import measure_limits, time_graphed
+from tandem.bench.engine_ops import decode_attention_inputs
 from tandem.workers.ops.gpu import paged_decode
-from tandem.workers.ops.gpu.paged_decode import (combine_splits, num_splits_for,
-                                                 paged_decode_attention)
+from tandem.workers.ops.gpu.paged_decode import combine_splits, paged_decode_attention
 
 BF16 = torch.bfloat16
 
@@ -63,17 +63,10 @@ def _read_paged(k_ptr, v_ptr, table_ptr, out_ptr, per_split, stride_block, strid
 
 def anatomy(context: int, copy_bps: float, block_n: int = 64) -> list[tuple[str, float]]:
     heads, kv_heads, dim, block_size = 32, 8, 128, 16
-    blocks = context // block_size
-    kv_bytes = 2 * context * kv_heads * dim * 2
-    caches = [(torch.randn(blocks, block_size, kv_heads, dim, device="cuda", dtype=BF16),
-               torch.randn(blocks, block_size, kv_heads, dim, device="cuda", dtype=BF16))
-              for _ in range(copies_to_defeat_l2(kv_bytes))]
-    table = torch.randperm(blocks, device="cuda").view(1, -1).int()
-    seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
+    inputs = decode_attention_inputs(1, context, heads, kv_heads, dim, block_size)
+    q, caches, table, seq_lens = inputs.q, inputs.caches, inputs.tables, inputs.seq_lens
+    kv_bytes, splits = inputs.kv_bytes, inputs.splits
     no_keys = torch.zeros_like(seq_lens)
-    q = torch.randn(1, heads, dim, device="cuda", dtype=BF16)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = num_splits_for(1, kv_heads, context, sms)
     scale = dim ** -0.5
     rows = []
 

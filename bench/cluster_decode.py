@@ -16,24 +16,20 @@ import argparse
 
 import torch
 
-from tandem.bench.engine_limits import copies_to_defeat_l2, measure_limits, time_graphed
+from tandem.bench.engine_limits import measure_limits, time_graphed
+from tandem.bench.engine_ops import decode_attention_inputs
 from tandem.workers.ops.gpu.cluster_decode import (
     SHAPES, cluster_decode_attention, cluster_decode_supported, max_active_clusters)
-from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
+from tandem.workers.ops.gpu.paged_decode import paged_decode_attention
 
 BF16 = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
 def shape_rows(batch: int, context: int, copy_bps: float) -> list[tuple[str, str, float, float]]:
-    blocks_per_seq = -(-context // BLOCK)
-    num_blocks = batch * blocks_per_seq
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-    caches = [tuple(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=BF16)
-                    for _ in range(2)) for _ in range(copies_to_defeat_l2(kv_bytes))]
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    inputs = decode_attention_inputs(batch, context, HEADS, KV_HEADS, HEAD_DIM, BLOCK)
+    q, caches, tables, lens = inputs.q, inputs.caches, inputs.tables, inputs.seq_lens
+    kv_bytes, splits = inputs.kv_bytes, inputs.splits
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     scale = HEAD_DIM ** -0.5
     name = f"{batch}x{context}"
@@ -42,7 +38,6 @@ def shape_rows(batch: int, context: int, copy_bps: float) -> list[tuple[str, str
         seconds = time_graphed(fn)
         return name, what, seconds, kv_bytes / seconds / copy_bps
 
-    splits = num_splits_for(batch, KV_HEADS, context, sms)
     ref = paged_decode_attention(q, *caches[0], tables, lens, scale, num_splits=splits)
     rows = [row(f"triton, {splits} splits + combine", lambda i: paged_decode_attention(
         q, *caches[i % len(caches)], tables, lens, scale, num_splits=splits))]

@@ -7,6 +7,7 @@ reported as a fraction of copy bandwidth (KV bytes read / time), the issue's tar
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +73,25 @@ def activation_rope_rows(rows: int) -> list[dict]:
     return out
 
 
-def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
-                          heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                          block_size: int = 16) -> list[dict]:
+@dataclass(frozen=True)
+class DecodeAttentionInputs:
+    """One decode step's attention inputs at `batch` x `context`, in shuffled blocks."""
+    q: torch.Tensor             # [batch, heads, head_dim]
+    caches: list[tuple]         # (k_cache, v_cache) copies: rotate through them by call index
+    tables: torch.Tensor        # [batch, blocks per sequence] int32
+    seq_lens: torch.Tensor      # [batch] int32, all `context`
+    kv_bytes: int               # K and V bytes one call reads
+    splits: int                 # the engine's split count (num_splits_for)
+
+
+def decode_attention_inputs(batch: int, context: int, heads: int = 32, kv_heads: int = 8,
+                            head_dim: int = 128, block_size: int = 16) -> DecodeAttentionInputs:
+    """Random bf16 inputs at Llama-8B's heads by default. One KV cache per layer, as in a model
+    step: enough copies that rotating through them keeps the KV out of L2."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     shape = (num_blocks, block_size, kv_heads, head_dim)
     kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
-    # One KV cache per layer, as in a model step: rotate so the KV never sits in L2.
     caches = [(torch.randn(shape, device="cuda", dtype=BF16),
                torch.randn(shape, device="cuda", dtype=BF16))
               for _ in range(copies_to_defeat_l2(kv_bytes))]
@@ -87,7 +99,16 @@ def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=BF16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = num_splits_for(batch, kv_heads, context, sms)
+    return DecodeAttentionInputs(q, caches, tables, seq_lens, kv_bytes,
+                                 num_splits_for(batch, kv_heads, context, sms))
+
+
+def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
+                          heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                          block_size: int = 16) -> list[dict]:
+    inputs = decode_attention_inputs(batch, context, heads, kv_heads, head_dim, block_size)
+    q, caches, tables, seq_lens = inputs.q, inputs.caches, inputs.tables, inputs.seq_lens
+    kv_bytes, splits = inputs.kv_bytes, inputs.splits
     name = f"decode attention {batch}x{context}"
     what = f"{heads}q/{kv_heads}kv h{head_dim} blk{block_size}"
     rows = []

@@ -18,8 +18,8 @@ from tandem.workers.ops.attention import paged_attention_torch  # noqa: E402
 from tandem.workers.ops.gpu.cluster_decode import (  # noqa: E402
     SHAPES, cluster_decode_attention, cluster_decode_supported)
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
-from tandem.workers.ops.rotary import RotaryEmbedding  # noqa: E402
-from tests.helpers.gpu_paged import DEV, paged_case, rel  # noqa: E402
+from tests.helpers.gpu_paged import (  # noqa: E402
+    DEV, paged_case, rel, replay_rope_write_then_attend)
 
 _probe = torch.empty(1, 8, 128, dtype=torch.bfloat16, device=DEV)
 _why_not = cluster_decode_supported(_probe, torch.empty(1, 16, 1, 128, dtype=torch.bfloat16,
@@ -83,37 +83,11 @@ def test_empty_rows_give_zeros():
 def test_new_key_is_read_after_the_previous_kernel(num_splits):
     """RoPE + KV write, then this kernel, replayed in a CUDA graph; the new keys' slots are
     NaN before every replay, so loading one before the PDL wait poisons the output."""
-    from tandem.workers.ops.gpu.rope import rope_and_write_kv
-    from tandem.workers.ops.backend import KernelBackend
-    seq_lens = [1, 64, 65, 700, 2049]
-    k_cache, v_cache, meta, gen = paged_case(seq_lens, [1] * 5, 4, 128, 16, torch.bfloat16,
-                                             seed=num_splits)
-    params = {"rope_type": "default", "rope_theta": 10000.0}
-    rope = RotaryEmbedding(128, 4096, params, backend=KernelBackend.AITER_TRITON).to(DEV)
-    positions = meta.seq_lens.long() - 1
-    fresh = [torch.randn(5, h, 128, generator=gen, device=DEV).to(torch.bfloat16)
-             for h in (16, 4, 4)]
-    q, k, v = (t.clone() for t in fresh)
-    out = torch.empty_like(q)
-
-    def step():
-        q.copy_(fresh[0])
-        k.copy_(fresh[1])
-        k_cache.view(-1, 4, 128).index_fill_(0, meta.slot_mapping, float("nan"))
-        v_cache.view(-1, 4, 128).index_fill_(0, meta.slot_mapping, float("nan"))
-        rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, rope.is_neox_style,
-                          k_cache, v_cache, meta.slot_mapping)
+    def attend(q, k_cache, v_cache, meta, out):
         cluster_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
                                  num_splits=num_splits, out=out)
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    ref_q, _ = RotaryEmbedding(128, 4096, params).to(DEV)(positions, fresh[0].clone(),
-                                                          fresh[1].clone())
-    for _ in range(10):
-        graph.replay()
-        assert rel(out, paged_attention_torch(ref_q, k_cache, v_cache, meta, SCALE)) <= 1e-2
+    for out, ref, _, _ in replay_rope_write_then_attend(attend, num_splits):
+        assert rel(out, ref) <= 1e-2
 
 
 def test_unsupported_inputs_say_why():

@@ -23,10 +23,10 @@ from tandem.workers.ops.backend import KernelBackend  # noqa: E402
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
 from tandem.workers.ops.gpu.paged_decode import (  # noqa: E402
     num_splits_for, paged_decode_attention)
-from tandem.workers.ops.gpu.rope import rope_and_write_kv  # noqa: E402
 from tandem.workers.ops.norm import RMSNorm  # noqa: E402
 from tandem.workers.ops.rotary import RotaryEmbedding  # noqa: E402
-from tests.helpers.gpu_paged import DEV, paged_case, rel  # noqa: E402
+from tests.helpers.gpu_paged import (  # noqa: E402
+    DEV, paged_case, rel, replay_rope_write_then_attend)
 
 AITER = KernelBackend.AITER_TRITON
 BF16_REL = 1e-2
@@ -91,38 +91,12 @@ def test_prefetched_tile_waits_for_the_new_key(num_splits, block_n):
     """prefetch=True loads the first tile before the PDL wait, all but the newest key. Replay
     the engine's pair (RoPE + KV write, then decode attention) back to back in a CUDA graph,
     the new keys' slots NaN before each replay: reading one early would poison the output."""
-    seq_lens = [1, 64, 65, 700, 2049]
-    k_cache, v_cache, meta, gen = paged_case(seq_lens, [1] * 5, 4, 128, 16, torch.bfloat16,
-                                             seed=num_splits + block_n)
-    params = {"rope_type": "default", "rope_theta": 10000.0}
-    rope = RotaryEmbedding(128, 4096, params, backend=AITER).to(DEV)
-    positions = meta.seq_lens.long() - 1
-    fresh = [torch.randn(5, h, 128, generator=gen, device=DEV).to(torch.bfloat16)
-             for h in (16, 4, 4)]
-    q, k, v = (t.clone() for t in fresh)
-    out = torch.empty_like(q)
-    new_slots = meta.slot_mapping
-
-    def step():
-        q.copy_(fresh[0])
-        k.copy_(fresh[1])
-        k_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
-        v_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
-        rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, rope.is_neox_style,
-                          k_cache, v_cache, new_slots)
+    def attend(q, k_cache, v_cache, meta, out):
         paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                128 ** -0.5, num_splits=num_splits, block_n=block_n,
                                prefetch=True, out=out)
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    ref_q, ref_k = RotaryEmbedding(128, 4096, params).to(DEV)(positions, fresh[0].clone(),
-                                                              fresh[1].clone())
-    for _ in range(10):
-        graph.replay()
-        ref = paged_attention_torch(ref_q, k_cache, v_cache, meta, 128 ** -0.5)
-        assert rel(k_cache.view(-1, 4, 128)[new_slots], ref_k) <= BF16_REL
+    for out, ref, new_k, ref_k in replay_rope_write_then_attend(attend, num_splits + block_n):
+        assert rel(new_k, ref_k) <= BF16_REL
         assert rel(out, ref) <= BF16_REL
 
 

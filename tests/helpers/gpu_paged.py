@@ -47,3 +47,44 @@ def paged_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, dtype, 
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         query_start_loc_host=starts, seq_lens_host=list(seq_lens))
     return k_cache, v_cache, meta, gen
+
+
+def replay_rope_write_then_attend(attend, seed: int, replays: int = 10):
+    """The engine's decode pair in a CUDA graph: RoPE + KV write of the new keys, then
+    attend(q, k_cache, v_cache, meta, out) (scale 128 ** -0.5, 16 q / 4 KV heads, head 128).
+    The new keys' slots are NaN before every replay, so an attention kernel that reads one
+    before the previous kernel wrote it (a PDL prefetch too early) poisons its output.
+    Yields, after each replay: (out, reference out, the new keys as cached, reference keys)."""
+    from tandem.workers.ops.attention import paged_attention_torch
+    from tandem.workers.ops.backend import KernelBackend
+    from tandem.workers.ops.gpu.rope import rope_and_write_kv
+    from tandem.workers.ops.rotary import RotaryEmbedding
+    k_cache, v_cache, meta, gen = paged_case([1, 64, 65, 700, 2049], [1] * 5, 4, 128, 16,
+                                             torch.bfloat16, seed=seed)
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = RotaryEmbedding(128, 4096, params, backend=KernelBackend.AITER_TRITON).to(DEV)
+    positions = meta.seq_lens.long() - 1
+    fresh = [torch.randn(5, h, 128, generator=gen, device=DEV).to(torch.bfloat16)
+             for h in (16, 4, 4)]
+    q, k, v = (t.clone() for t in fresh)
+    out = torch.empty_like(q)
+    new_slots = meta.slot_mapping
+
+    def step():
+        q.copy_(fresh[0])
+        k.copy_(fresh[1])
+        k_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
+        v_cache.view(-1, 4, 128).index_fill_(0, new_slots, float("nan"))
+        rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, rope.is_neox_style,
+                          k_cache, v_cache, new_slots)
+        attend(q, k_cache, v_cache, meta, out)
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    ref_q, ref_k = RotaryEmbedding(128, 4096, params).to(DEV)(positions, fresh[0].clone(),
+                                                              fresh[1].clone())
+    for _ in range(replays):
+        graph.replay()
+        ref = paged_attention_torch(ref_q, k_cache, v_cache, meta, 128 ** -0.5)
+        yield out, ref, k_cache.view(-1, 4, 128)[new_slots], ref_k

@@ -81,8 +81,8 @@ class JitCompileWatch:
                                "waited; a warm-up run at startup would move it there); "
                                "variant %s", kernel, seconds, key[:KEY_CHARS])
             else:
-                logger.info("Triton compiled %s in %.2f s; variant %s", kernel, seconds,
-                            key[:KEY_CHARS])
+                logger.info("Triton compiled %s in %.2f s", kernel, seconds)
+                logger.debug("variant of %s: %s", kernel, key[:KEY_CHARS])
             if self._on_compile is not None:
                 self._on_compile(kernel, seconds, self._serving)
         except Exception:  # never break a compile

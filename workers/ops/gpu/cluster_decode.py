@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -38,7 +37,10 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from tandem.common.logging import get_logger
+from tandem.workers.ops.gpu.pdl import pdl_enabled
+
+logger = get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "cuda" / "decode_cluster.cu"
 HEAD_DIM = 128
@@ -89,14 +91,14 @@ def _library() -> ctypes.CDLL | str:
                    "-gencode=arch=compute_90,code=sm_90",
                    "-gencode=arch=compute_90,code=compute_90",
                    "-o", str(partial), str(SOURCE)]
-        log.info("building the cluster decode-attention kernel with %s (once per version, "
+        logger.info("building the cluster decode-attention kernel with %s (once per version, "
                  "~30-60 s) into %s", nvcc, target)
         started = time.monotonic()
         built = subprocess.run(command, capture_output=True, text=True)
         if built.returncode != 0:
             return f"nvcc failed: {built.stderr.strip()[-2000:]}"
         os.replace(partial, target)  # atomic: concurrent workers never load a partial file
-        log.info("built %s in %.1f s", target.name, time.monotonic() - started)
+        logger.info("built %s in %.1f s", target.name, time.monotonic() - started)
     library = ctypes.CDLL(str(target))
     library.tandem_decode_cluster_launch.restype = ctypes.c_int
     library.tandem_decode_cluster_launch.argtypes = [
@@ -164,7 +166,6 @@ def cluster_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block_size, sliding_window or 0, scale)
     device = q.device.index or 0
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    from tandem.workers.ops.gpu.pdl import pdl_enabled
     status = library.tandem_decode_cluster_launch(
         ctypes.byref(params), _DTYPES[q.dtype], num_heads // num_kv_heads, *shape,
         num_seqs, num_kv_heads, num_splits, device, stream, int(pdl_enabled(q.device)))
