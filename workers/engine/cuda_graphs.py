@@ -90,12 +90,13 @@ class DecodeGraphs:
         """Logits [B, V] of a decode batch (one new token per sequence)."""
         batch = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= batch)
-        num_blocks = meta.block_tables.shape[1]
+        # The table's padded width may pass max_blocks; the columns past it are padding.
+        num_blocks = min(meta.block_tables.shape[1], self.max_blocks)
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
         self.seq_lens[:batch].copy_(meta.seq_lens)
-        self.block_tables[:batch, :num_blocks].copy_(meta.block_tables)
+        self.block_tables[:batch, :num_blocks].copy_(meta.block_tables[:, :num_blocks])
         if size > batch:  # rows a previous, larger batch left behind become padding again
             self.input_ids[batch:size].zero_()
             self.positions[batch:size].zero_()

@@ -30,6 +30,18 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [N] int64: the last new token of every sampled sequence
 
 
+# Block tables are padded (block id 0, never read: seq_lens bound every kernel's reads) to a
+# multiple of this width. Triton specializes integer arguments on divisibility by 16, so an
+# unpadded table's row stride would compile every attention kernel twice (a table of 16k
+# blocks and one of any other width), the second time while serving.
+TABLE_WIDTH_MULTIPLE = 16
+
+
+def table_width(max_blocks: int) -> int:
+    """The padded block-table width of a step whose longest table has max_blocks blocks."""
+    return -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+
+
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across every tensor of every KV-owning layer."""
     numel = sum(math.prod(shape) for layer in attention_layers(model)
@@ -106,8 +118,8 @@ class ModelRunner:
             seq_lens.append(end)
             if item.is_sampled:
                 logits_indices.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(item.seq.block_table) for item in batch.scheduled)
-        tables = [item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
+        width = table_width(max(len(item.seq.block_table) for item in batch.scheduled))
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table))
                   for item in batch.scheduled]
 
         def tensor(values, dtype):
@@ -137,7 +149,7 @@ class ModelRunner:
         meta = inputs.meta
         if self.graphs is not None and inputs.logits_indices.numel() == meta.num_seqs \
                 and self.graphs.can_run(meta.num_seqs, meta.max_query_len,
-                                        meta.block_tables.shape[1]):
+                                        -(-meta.max_seq_len // self.block_size)):
             # One token per sequence, every one sampled: logits_indices is 0..B-1.
             return self.graphs.run(inputs.input_ids, inputs.positions, meta).float()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, D]
