@@ -10,7 +10,9 @@ block over all 64 cache tensors). Per handle size, each row's median of --iters:
   gather        BlockGather on scattered blocks, ids read from pinned host memory (shipped)
   gather-dev    the same launch with the ids already on cuda:1
   gather-seq    pinned ids, consecutive source and destination blocks (fewer pages touched)
-  copier        BlockCopier.copy: pinned-id fill + direct launch + event wait (host timed)
+  copier        BlockCopier.launch + event wait: pinned-id fill + direct launch (shipped)
+  coalesced     ipc_copies.CoalescedCopies.copy on an asyncio loop: the decode worker's path
+                without the handle bookkeeping
 
 gpu us: CUDA events around the work, queued behind a ~100 us sleep kernel, so the host's
 launch cost is hidden and only the GPU's time counts. host us: perf_counter from the call to
@@ -20,6 +22,7 @@ row's rate (GB/s from gpu us, or host us where there is no gpu us).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -64,12 +67,28 @@ def host_us(work, iters: int) -> float:
     return statistics.median(times[2:])
 
 
+def coalesced_us(copies, copier, src_ids, dst_ids, iters: int) -> float:
+    """Median wall time of `await copies.copy(...)` (ipc_copies.CoalescedCopies: the launch in
+    the next loop turn, then the EventWaiter's poll) on a plain asyncio loop."""
+    async def run() -> float:
+        times = []
+        for _ in range(iters + 2):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            await copies.copy(copier, src_ids, dst_ids)
+            times.append((time.perf_counter() - started) * 1e6)
+        return statistics.median(times[2:])
+
+    return asyncio.run(run())
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("kv_gather_anatomy needs two CUDA GPUs", file=sys.stderr)
         return 2
     from tandem.workers.kv.cuda_ipc import BlockCopier
+    from tandem.workers.kv.ipc_copies import CoalescedCopies
     from tandem.workers.kv.pinned_ids import PinnedBlockIds
     from tandem.workers.ops.gpu.block_copy import BlockGather
 
@@ -82,11 +101,14 @@ def main(argv=None) -> int:
     block_bytes = src[:, 0].numel() * src.element_size()
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
     big_dst = torch.empty_like(big, device="cuda:1")
-    big_dst.copy_(big)  # enables peer access cuda:1 -> cuda:0 (torch does it on first copy)
+    # torch enables peer access on a copy's first use, from the source's device to the
+    # destination's: this copy lets kernels on cuda:1 read cuda:0.
+    big[:16].copy_(big_dst[:16])
     rate = (1 << 30) / (gpu_us(lambda: big_dst.copy_(big, non_blocking=True), 5) / 1e6)
     gather = BlockGather(src, dst)
     copier = BlockCopier(list(src.unbind(0)), list(dst.unbind(0)))
     pinned = PinnedBlockIds()
+    copies = CoalescedCopies(torch.cuda.Stream())
     generator = torch.Generator().manual_seed(0)
     rows = []
     for n in [int(b) for b in args.blocks.split(",")]:
@@ -108,6 +130,7 @@ def main(argv=None) -> int:
             "gather-seq": (gpu_us(lambda: gather(seq_host), args.iters), None),
             "copier": (None, host_us(lambda: copier.launch(src_ids, dst_ids), args.iters)),
         }
+        cells["coalesced"] = (None, coalesced_us(copies, copier, src_ids, dst_ids, args.iters))
 
         def copy_engine_event():
             flat_dst.copy_(flat_src, non_blocking=True)

@@ -27,7 +27,10 @@
    the same seeded fill). Then --warmup untimed pulls (1 once a pull takes over 0.25 s) and
    up to --iters timed ones; a cell stops after --cell-seconds, keeping at least 3 timed
    pulls. The table (last) gives per backend and handle size the median and p90 latency, GB/s
-   and the ratio to the copy rate.
+   and the ratio to the copy rate, and the ratio to the same-size copy: one contiguous copy of
+   the row's bytes timed as a pull is. That is the fair peer of small handles, because even
+   the copy engine is latency-bound there: on 2 H200s a 2 MiB copy runs at 0.23x the 1 GiB
+   rate, 8 MiB at 0.52x, 32 MiB at 0.81x (bench/kv_gather_anatomy.py).
 
 The caches hold random bit patterns, so some elements are NaNs (about 1 in 256 in bf16): the
 check compares bytes, never values (torch.equal is False on NaN == NaN). Comparing values was
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -106,10 +110,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def copy_rate(args, num_bytes: int) -> float:
-    """Bytes/s of one tensor copy source -> destination device (median, after warmup)."""
-    src_dev, dst_dev = ends(args)
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=src_dev).random_(0, 255)
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device=dst_dev)
+    """Bytes/s of one tensor copy source -> destination device (median, after warmup): CUDA
+    events on the GPU, so no host latency counts."""
+    src, dst = copy_buffers(args, num_bytes)
     times = []
     for i in range(args.warmup + args.iters):
         if args.device == "cpu":
@@ -128,6 +131,32 @@ def copy_rate(args, num_bytes: int) -> float:
             times.append(seconds)
     assert torch.equal(dst[:4096].cpu(), src[:4096].cpu())
     return num_bytes / statistics.median(times)
+
+
+def copy_buffers(args, num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    src_dev, dst_dev = ends(args)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=src_dev).random_(0, 255)
+    return src, torch.empty(num_bytes, dtype=torch.uint8, device=dst_dev)
+
+
+def same_size_copy_seconds(args, num_bytes: int, count: int) -> float:
+    """The peer of a pull row: `count` contiguous copies of num_bytes source -> destination
+    device queued back to back, timed as pulls are (host clock, from the first call until the
+    last copy completed), per copy; median of --iters after --warmup."""
+    src, dst = copy_buffers(args, num_bytes)
+    times = []
+    with torch.cuda.device(1) if args.device != "cpu" else contextlib.nullcontext():
+        for i in range(args.warmup + args.iters):
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(count):
+                dst.copy_(src, non_blocking=args.device != "cpu")
+            if args.device != "cpu":
+                torch.cuda.current_stream().synchronize()
+            if i >= args.warmup:
+                times.append((time.perf_counter() - started) / count)
+    return statistics.median(times)
 
 
 async def measure(args, address: str, handles: dict, sizes: list[int], rate: float,
@@ -240,6 +269,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         cells += [("cuda-ipc", n, [list(range(j, c * n, c)) for j in range(c)])
                   for n in sizes if c * n <= local_blocks]
     rows = []
+    same_size: dict[tuple[int, int], float] = {}  # (bytes, copies at once) -> seconds per copy
     for backend, n, dst_sets in cells:
         label = backend if len(dst_sets) == 1 else f"{backend} x{len(dst_sets)}"
         num_bytes = n * layout.bytes_per_layer_block * layout.num_layers
@@ -260,10 +290,15 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
                 if len(times) >= 3 and time.perf_counter() - cell_started > args.cell_seconds:
                     break
         median = statistics.median(times)
+        if (num_bytes, len(dst_sets)) not in same_size:
+            same_size[num_bytes, len(dst_sets)] = same_size_copy_seconds(args, num_bytes,
+                                                                         len(dst_sets))
         rows.append(dict(backend=label, blocks=n, bytes=num_bytes, iters=len(times),
                          latency_ms=median * 1e3,
                          p90_ms=sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
-                         gbps=num_bytes / median / 1e9, ratio=num_bytes / median / rate))
+                         gbps=num_bytes / median / 1e9, ratio=num_bytes / median / rate,
+                         same_size_copy_ms=same_size[num_bytes, len(dst_sets)] * 1e3,
+                         ratio_same_size=same_size[num_bytes, len(dst_sets)] / median))
         print(f"  {label:16s} {n:4d} blocks {num_bytes / 2**20:8.1f} MiB "
               f"{median * 1e3:9.3f} ms {num_bytes / median / 1e9:8.2f} GB/s (bytes checked)",
               flush=True)
@@ -315,11 +350,15 @@ def main(argv=None) -> int:
           f"heads x {args.head_dim} head x block {args.block_size}, {args.dtype}; copy rate "
           f"{rate / 1e9:.1f} GB/s; median of up to {args.iters} pulls; every handle's bytes "
           f"checked; {time.monotonic() - started:.0f} s in all")
+    print("x copy: the row's GB/s over the copy rate. same ms: one contiguous copy of the "
+          "row's bytes (xN rows: N queued at once, per copy), timed as a pull is (host clock, "
+          "call to completion); x same: that time over the row's")
     print(f"{'backend':16s} {'blocks':>6s} {'MiB':>8s} {'n':>3s} {'ms':>9s} {'p90 ms':>9s} "
-          f"{'GB/s':>8s} {'x copy':>7s}")
+          f"{'GB/s':>8s} {'x copy':>7s} {'same ms':>8s} {'x same':>7s}")
     for r in rows:
         print(f"{r['backend']:16s} {r['blocks']:6d} {r['bytes'] / 2**20:8.1f} {r['iters']:3d} "
-              f"{r['latency_ms']:9.3f} {r['p90_ms']:9.3f} {r['gbps']:8.2f} {r['ratio']:7.3f}")
+              f"{r['latency_ms']:9.3f} {r['p90_ms']:9.3f} {r['gbps']:8.2f} {r['ratio']:7.3f} "
+              f"{r['same_size_copy_ms']:8.3f} {r['ratio_same_size']:7.3f}")
     if args.out:
         name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         with open(args.out, "w") as f:

@@ -57,8 +57,9 @@ def test_the_bench_moves_blocks_bit_exactly_over_grpc_on_cpu(dtype, tmp_path, ca
     assert [(r["backend"], r["blocks"]) for r in rows] == [("grpc", 1), ("grpc", 3),
                                                            ("grpc", 7)]
     assert all(r["gbps"] > 0 and r["ratio"] > 0 and r["iters"] >= 2 for r in rows)
+    assert all(r["same_size_copy_ms"] > 0 and r["ratio_same_size"] > 0 for r in rows)
     table = capsys.readouterr().out
-    assert "GB/s" in table and "x copy" in table
+    assert "GB/s" in table and "x copy" in table and "x same" in table
 
 
 def test_the_bench_reports_a_real_difference(tmp_path, monkeypatch, capsys):
