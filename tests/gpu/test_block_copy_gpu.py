@@ -196,3 +196,31 @@ def test_gather_refuses_mismatched_caches():
         BlockGather(a, random_bits((2, 4, 16), torch.float16))(ids)
     with pytest.raises(ValueError, match="dtypes differ"):
         BlockGather(a, random_bits((2, 4, 8), torch.bfloat16))(ids)
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.bfloat16, (16, 8, 128)), (torch.float32, (4, 2, 3))])
+def test_precompile_compiles_the_variant_a_launch_uses(dtype, block):
+    """precompile's variant key is the launch's: once either ran for a geometry (here the
+    launch), a second gather's precompile and launch compile nothing (the compile watch sees
+    every specialization a JIT function makes in this process)."""
+    pytest.importorskip("triton")
+    from tandem.workers.ops.gpu.block_copy import BlockGather
+    from tandem.workers.ops.jit_compiles import JitCompileWatch
+
+    seen = []
+    watch = JitCompileWatch(lambda *a: seen.append(a))
+    assert watch.install()
+    try:
+        first = BlockGather(random_bits((3, 9, *block), dtype), random_bits((3, 7, *block), dtype))
+        first(torch.tensor([[8], [6]], dtype=torch.int32, device="cuda"))
+        compiled = len(seen)
+        src, dst = random_bits((3, 5, *block), dtype), random_bits((3, 6, *block), dtype)
+        second = BlockGather(src, dst)
+        second.precompile()
+        assert len(seen) == compiled, seen[compiled:]
+        second(torch.tensor([[4, 0], [1, 5]], dtype=torch.int32, device="cuda"))
+        torch.cuda.synchronize()
+        assert len(seen) == compiled, seen[compiled:]
+    finally:
+        watch.uninstall()
+    assert same_bytes(dst[:, [1, 5]], src[:, [4, 0]])

@@ -196,6 +196,14 @@ class BlockCopier:
             self.gathers = [BlockGather(s, d) for s, d in self.pairs]
             self.ids = PinnedBlockIds()  # the gathers' block ids, reused once read
 
+    def precompile(self) -> None:
+        """Compiles the gathers' kernel variants without copying anything (no-op without
+        Triton). A copier between the local cache and itself compiles what a peer's will
+        launch: Triton's variant key depends on dtype, alignment and divisibility, which
+        both sides share."""
+        for gather in self.gathers or ():
+            gather.precompile()
+
     @property
     def one_launch(self) -> bool:
         return len(self.pairs) == 1

@@ -67,6 +67,8 @@ class KVReceiver:
             self._host_id = cuda_ipc.host_id()
             self._local = cuda_ipc.flat_caches(kv_caches)
             self._copies = CoalescedCopies(torch.cuda.Stream(device))
+            # The first handoff would otherwise compile the gather inside a request's TTFT.
+            cuda_ipc.BlockCopier(self._local, self._local).precompile()
 
     async def pull(self, channel: grpc.aio.Channel, address: str,
                    handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,

@@ -129,6 +129,14 @@ class BlockGather:
                         self._direct_ok = False
         self._plain_launch(ids, num_pairs, stream)
 
+    def precompile(self) -> None:
+        """Compiles the kernel variant this gather launches, without launching it (a decode
+        worker calls it at startup, so its first handoff does not wait for Triton)."""
+        ids = torch.zeros((2, 1), dtype=torch.int32, device=self.dst_bytes.device)
+        _gather_blocks_kernel.warmup(
+            self.src_bytes, self.dst_bytes, ids, 1, *self.strides, self.block_bytes,
+            CHUNK=CHUNK_BYTES, ALIGNED=self.aligned, num_warps=NUM_WARPS, grid=(1, 1, 1))
+
     def launch_args(self, ids: torch.Tensor, num_pairs: int) -> tuple:
         """The kernel's arguments in its parameter order, constexprs included (as Triton's
         launcher takes them), pointers to the caches as ints."""
