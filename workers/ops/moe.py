@@ -262,8 +262,9 @@ class FusedMoE(nn.Module):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """The torch backend loops over the experts that tokens chose (host-side decisions)."""
-        return self.backend is KernelBackend.AITER_TRITON
+        """The torch backend loops over the experts that tokens chose, and expert parallelism
+        sizes its all-to-all from counts read back to the host: host-side decisions both."""
+        return self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]

@@ -14,6 +14,9 @@ and, for some commands, one int64 payload whose length the header gives:
     STOP       no args: followers leave their loop and exit
     KV_BLOCKS  args (num_kv_blocks,): sent once after loading, so every rank sizes its cache
                exactly as rank 0 did
+    CAPTURE_GRAPHS args (max_model_len,); payload = decode batch sizes: every rank captures
+               its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
+               collectives of their warm-up passes and captures pair up
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Command(IntEnum):
     SCATTER_KV = 3
     STOP = 4
     KV_BLOCKS = 5
+    CAPTURE_GRAPHS = 6
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
