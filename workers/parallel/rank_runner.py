@@ -106,7 +106,8 @@ class LeaderRunner:
         """Every rank captures the same decode graphs (rank 0 here, the followers on
         CAPTURE_GRAPHS); each rank's later STEP replays the graph of the same batch size."""
         with self.group.fatal_on_error("CUDA graph capture"):
-            self.group.send(make_header(Command.CAPTURE_GRAPHS, max_model_len),
+            self.group.send(make_header(Command.CAPTURE_GRAPHS, max_model_len,
+                                        len(capture_sizes)),
                             torch.tensor(capture_sizes, dtype=torch.int64))
             self.runner.enable_cuda_graphs(capture_sizes, max_model_len)
 
