@@ -50,7 +50,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.num_replays = 0  # decode steps served by a graph (tests, bench)
         self.logits: dict[int, torch.Tensor] = {}
         self._capture(device)
 
@@ -105,5 +104,4 @@ class DecodeGraphs:
             self.seq_lens[batch:size].fill_(1)
             self.block_tables[batch:size].zero_()
         self.graphs[size].replay()
-        self.num_replays += 1
         return self.logits[size][:batch]

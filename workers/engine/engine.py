@@ -89,12 +89,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
+        self._maybe_enable_cuda_graphs(runner, device, max_model_len)
         # With TP, rank 0's runner mirrors every step (and KV handoff) on the follower ranks.
         self.runner = runner if self.rank_group is None else LeaderRunner(runner,
                                                                           self.rank_group)
-        if self._decode_graphs_possible(device):  # with TP, every rank captures (in step)
-            self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
-                                           max_model_len)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
@@ -109,21 +107,23 @@ class LLMEngine:
         if self.rank_group is not None:
             self.rank_group.shutdown()
 
-    def _decode_graphs_possible(self, device: torch.device) -> bool:
+    def _maybe_enable_cuda_graphs(self, runner: ModelRunner, device: torch.device,
+                                  max_model_len: int) -> None:
         """Decode graphs on a GPU with the aiter-triton kernels, unless an op cannot replay
-        (host-side decisions, e.g. expert parallelism's all-to-all counts). TP ranks capture
-        together: the graphs hold their NCCL all-reduces, replayed in step as every rank
-        replays the same batch."""
+        (host-side decisions) or the model spans ranks (NCCL inside graphs: a first try hung on 2 H200s, session 7; reverted)."""
         config = self.config
         if device.type != "cuda" or config.enforce_eager or \
                 resolve_backend(config.kernels, device.type) is not KernelBackend.AITER_TRITON:
-            return False
+            return
         blockers = [name for name, m in self.model.named_modules()
                     if not getattr(m, "supports_cuda_graphs", True)]
+        if config.tensor_parallel_size > 1:
+            blockers.insert(0, f"tensor_parallel_size={config.tensor_parallel_size}")
         if blockers:
             logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA graph",
                         blockers[0], len(blockers) - 1)
-        return not blockers
+            return
+        runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs), max_model_len)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, pin_after_prefill: bool = False

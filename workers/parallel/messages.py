@@ -14,9 +14,6 @@ and, for some commands, one int64 payload whose length the header gives:
     STOP       no args: followers leave their loop and exit
     KV_BLOCKS  args (num_kv_blocks,): sent once after loading, so every rank sizes its cache
                exactly as rank 0 did
-    CAPTURE_GRAPHS args (max_model_len, n); payload = n decode batch sizes: every rank captures
-               its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
-               collectives of their warm-up passes and captures pair up
 """
 from __future__ import annotations
 
@@ -36,7 +33,6 @@ class Command(IntEnum):
     SCATTER_KV = 3
     STOP = 4
     KV_BLOCKS = 5
-    CAPTURE_GRAPHS = 6
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -69,8 +65,6 @@ def payload_length(header: torch.Tensor) -> int:
         return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
     if command in (Command.GATHER_KV, Command.SCATTER_KV):
         return int(header[1])
-    if command is Command.CAPTURE_GRAPHS:
-        return int(header[2])
     return 0
 
 
