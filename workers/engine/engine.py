@@ -110,7 +110,8 @@ class LLMEngine:
     def _maybe_enable_cuda_graphs(self, runner: ModelRunner, device: torch.device,
                                   max_model_len: int) -> None:
         """Decode graphs on a GPU with the aiter-triton kernels, unless an op cannot replay
-        (host-side decisions) or the model spans ranks (NCCL inside graphs: a first try hung on 2 H200s, session 7; reverted)."""
+        (host-side decisions) or the model spans ranks (NCCL inside graphs: a first try, every
+        rank capturing together, hung on 2 H200s in session 7 and was reverted: 5fbca6c)."""
         config = self.config
         if device.type != "cuda" or config.enforce_eager or \
                 resolve_backend(config.kernels, device.type) is not KernelBackend.AITER_TRITON:
