@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.checkpoints import PARITY_LENGTHS, build_checkpoint, random_prompts
+from helpers.gpu_paged import paged_metadata
 from helpers.mla_checkpoints import MLA_BASE, MLA_VARIANTS
 
 from tandem.workers.ops.aiter_compat import aiter_available
@@ -22,7 +23,7 @@ if not aiter_available() or not torch.cuda.is_available():
     pytest.skip("needs a GPU and amd-aiter (pip install amd-aiter)", allow_module_level=True)
 
 from tandem import LLM, SamplingParams  # noqa: E402
-from tandem.workers.ops.attention import AttentionMetadata, gather_kv  # noqa: E402
+from tandem.workers.ops.attention import gather_kv  # noqa: E402
 from tandem.workers.ops.backend import KernelBackend  # noqa: E402
 from tandem.workers.ops.gpu.mla_decode import (  # noqa: E402
     mla_decode_attention, mla_num_splits, write_latent_cache)
@@ -71,15 +72,7 @@ def mla_case(layout, heads, dims, block_size, dtype, seed):
     step = dict(q_nope=randn(tokens, heads, dims["nope"]), q_pe=randn(tokens, heads, rope),
                 kv_c=randn(tokens, rank), k_pe=randn(tokens, rope))
     weight = randn(heads * (dims["nope"] + dims["v"]), rank, scale=rank ** -0.5)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEV),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32, device=DEV),
-        max_query_len=max(n for _, n in layout), max_seq_len=max(lens),
-        query_start_loc_host=starts, seq_lens_host=lens)
+    meta = paged_metadata(slots, starts, lens, tables, max(n for _, n in layout))
     return cache, step, weight, meta
 
 

@@ -37,16 +37,23 @@ def paged_case(seq_lens, query_lens, num_kv_heads, head_dim, block_size, dtype, 
                 v_cache.view(-1, num_kv_heads, head_dim)[slot] = torch.randn(
                     num_kv_heads, head_dim, generator=gen, device=DEV).to(dtype)
         starts.append(starts[-1] + q_len)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEV),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32, device=DEV),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_start_loc_host=starts, seq_lens_host=list(seq_lens))
+    meta = paged_metadata(slots, starts, list(seq_lens), tables, max(query_lens))
     return k_cache, v_cache, meta, gen
+
+
+def paged_metadata(slots: list[int], starts: list[int], seq_lens: list[int],
+                   tables: list[list[int]], max_query_len: int,
+                   device: str = DEV) -> AttentionMetadata:
+    """A step's metadata on `device`: block tables padded with block 0 to the longest."""
+    width = max(map(len, tables))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device=device),
+        max_query_len=max_query_len, max_seq_len=max(seq_lens),
+        query_start_loc_host=starts, seq_lens_host=seq_lens)
 
 
 def replay_rope_write_then_attend(attend, seed: int, replays: int = 10):

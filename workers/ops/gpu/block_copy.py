@@ -133,14 +133,23 @@ class BlockGather:
         """Compiles the kernel variant this gather launches, without launching it (a decode
         worker calls it at startup, so its first handoff does not wait for Triton)."""
         ids = torch.zeros((2, 1), dtype=torch.int32, device=self.dst_bytes.device)
-        _gather_blocks_kernel.warmup(
-            self.src_bytes, self.dst_bytes, ids, 1, *self.strides, self.block_bytes,
-            CHUNK=CHUNK_BYTES, ALIGNED=self.aligned, num_warps=NUM_WARPS, grid=(1, 1, 1))
+        _gather_blocks_kernel.warmup(*self._jit_args(ids, 1), **self._jit_options,
+                                     grid=(1, 1, 1))
 
     def launch_args(self, ids: torch.Tensor, num_pairs: int) -> tuple:
         """The kernel's arguments in its parameter order, constexprs included (as Triton's
         launcher takes them), pointers to the caches as ints."""
         return (*self._base_ptrs, ids, num_pairs, *self._tail_args)
+
+    def _jit_args(self, ids: torch.Tensor, num_pairs: int) -> tuple:
+        """The kernel's runtime arguments as Triton's JIT entry takes them (tensors)."""
+        return (self.src_bytes, self.dst_bytes, ids, num_pairs, *self.strides,
+                self.block_bytes)
+
+    @property
+    def _jit_options(self) -> dict:
+        """Constexprs and launch options: with _jit_args, what selects the compiled variant."""
+        return dict(CHUNK=CHUNK_BYTES, ALIGNED=self.aligned, num_warps=NUM_WARPS)
 
     def _plain_launch(self, ids: torch.Tensor, num_pairs: int,
                       stream: torch.cuda.Stream | None) -> None:
@@ -148,9 +157,8 @@ class BlockGather:
         grid = (num_pairs, self.num_tensors, self.num_chunks)
         on_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with on_stream:
-            kernel = _gather_blocks_kernel[grid](
-                self.src_bytes, self.dst_bytes, ids, num_pairs, *self.strides,
-                self.block_bytes, CHUNK=CHUNK_BYTES, ALIGNED=self.aligned, num_warps=NUM_WARPS)
+            kernel = _gather_blocks_kernel[grid](*self._jit_args(ids, num_pairs),
+                                                 **self._jit_options)
             if (self._direct_ok and ids.dtype == torch.int32
                     and getattr(kernel, "function", None) is not None
                     and hasattr(kernel, "packed_metadata")):
