@@ -202,14 +202,22 @@ class ExportKVCacheRequest(_message.Message):
     def __init__(self, expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class ExportKVCacheResponse(_message.Message):
-    __slots__ = ("endpoint", "layout", "tensors")
+    __slots__ = ("endpoint", "layout", "ranks")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     endpoint: CudaIpcEndpoint
     layout: KVLayout
+    ranks: _containers.RepeatedCompositeFieldContainer[CudaIpcCache]
+    def __init__(self, endpoint: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[CudaIpcCache, _Mapping]]] = ...) -> None: ...
+
+class CudaIpcCache(_message.Message):
+    __slots__ = ("device_uuid", "tensors")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
     tensors: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
-    def __init__(self, endpoint: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
+    def __init__(self, device_uuid: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
 
 class CudaIpcTensor(_message.Message):
     __slots__ = ("storage_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shape", "stride", "storage_offset")

@@ -9,6 +9,8 @@
 * With one GPU, two worker processes on cuda:0 share the cache the same way.
 * A router -> prefill (cuda:0) -> decode (cuda:1) stack with --kv-transfer cuda-ipc (no
   fallback allowed) gives transformers' greedy tokens and leaves no KV pinned or in use.
+* The same with TP=2 on both workers (ranks on cuda:0 and cuda:1 each): every decode rank
+  maps and copies its heads from the prefill rank of its number.
 """
 from __future__ import annotations
 
@@ -43,3 +45,11 @@ def test_stack_with_cuda_ipc_gives_transformers_tokens(checkpoint, tmp_path, dec
     log = decode_log_of_handoff_stack(checkpoint("qwen3"), tmp_path, decode_device,
                                       "cuda-ipc", seed=91)
     assert "over cuda-ipc" in log and "over grpc" not in log, log[-3000:]
+
+
+@needs_two_gpus
+def test_tp2_stack_with_cuda_ipc_gives_transformers_tokens(checkpoint, tmp_path):
+    # llama: 2 KV heads, one per rank, so each rank's copy moves heads the other lacks.
+    log = decode_log_of_handoff_stack(checkpoint("llama"), tmp_path, "cuda:0", "cuda-ipc",
+                                      seed=92, tensor_parallel_size=2)
+    assert "mapped on all 2 ranks" in log and "over grpc" not in log, log[-3000:]

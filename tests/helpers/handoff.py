@@ -10,14 +10,17 @@ from helpers.processes import start_stack, stop
 
 
 def decode_log_of_handoff_stack(ckpt, tmp_path, decode_device: str, kv_transfer: str,
-                                seed: int) -> str:
+                                seed: int, tensor_parallel_size: int = 1) -> str:
     """Runs 4 prompts (1-200 tokens) x 24 greedy tokens through the stack with --kv-transfer
     `kv_transfer` (no fallback), asserts transformers' tokens and that no KV stays pinned or in
-    use, and returns the decode worker's log (for the caller's backend checks)."""
-    if torch.cuda.device_count() <= torch.device(decode_device).index:
-        pytest.skip(f"needs {decode_device}")
+    use, and returns the decode worker's log (for the caller's backend checks). Under TP both
+    workers' rank r runs on cuda:(base + r)."""
+    last = torch.device(decode_device).index + tensor_parallel_size - 1
+    if torch.cuda.device_count() <= max(last, tensor_parallel_size - 1):
+        pytest.skip(f"needs {max(last, tensor_parallel_size - 1) + 1} GPUs")
     stack = start_stack(ckpt.path, tmp_path, worker_args=[
-        "--kernels", "torch", "--max-num-seqs", "8", "--kv-transfer", kv_transfer],
+        "--kernels", "torch", "--max-num-seqs", "8", "--kv-transfer", kv_transfer,
+        "--tensor-parallel-size", str(tensor_parallel_size)],
         role_args={"prefill": ["--device", "cuda:0"], "decode": ["--device", decode_device]})
     try:
         for prompt in random_prompts([1, 17, 33, 200], seed=seed):

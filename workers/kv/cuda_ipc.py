@@ -1,9 +1,11 @@
 """The `cuda-ipc` KV transfer backend's GPU side: share a KV cache through CUDA IPC, map a
 peer's cache, and copy blocks GPU to GPU (never through host memory).
 
-    exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once
-    exporter.export()                                # -> ExportKVCacheResponse (cached)
-    peer = open_peer(response, local_device)         # decode worker, once per peer export_id
+    exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once (TP: rank 0, with
+                                                     # its followers' export_rank_cache)
+    exporter.export()                                # -> ExportKVCacheResponse
+    peer = open_peer(response, local_device, rank)   # decode worker (every TP rank), once
+                                                     # per peer export_id
     copier = BlockCopier(peer.caches, local_caches)  # once per mapping
     copier.launch(src_ids, dst_ids, stream)          # per handle: a CUDA event to wait on
 
@@ -87,40 +89,50 @@ def stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
                             first.storage_offset())
 
 
-class CudaIpcExporter:
-    """Prefill side: the IPC handles of the whole cache, made once (sharing a storage again
-    would wrap its data pointer again) and served to every peer."""
+def export_rank_cache(kv_caches: KVCaches) -> worker_pb2.CudaIpcCache:
+    """This process's cache tensors as CUDA IPC handles (one TP rank's share of an export).
+    Call once per process: sharing a storage again would wrap its data pointer again."""
+    tensors = flat_caches(kv_caches)
+    if tensors[0].device.type != "cuda":
+        raise ValueError("cuda-ipc needs the KV cache on a CUDA device")
+    shared: dict[int, tuple] = {}  # storage data_ptr -> its _share_cuda_() fields
+    messages = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        fields = shared.get(storage.data_ptr())
+        if fields is None:
+            fields = shared[storage.data_ptr()] = storage._share_cuda_()
+        (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+         event_sync) = fields
+        messages.append(worker_pb2.CudaIpcTensor(
+            storage_handle=handle, storage_size_bytes=size_bytes,
+            storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
+            ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+            event_sync_required=bool(event_sync), shape=list(t.shape),
+            stride=list(t.stride()), storage_offset=t.storage_offset()))
+    return worker_pb2.CudaIpcCache(device_uuid=device_uuid(tensors[0].device),
+                                   tensors=messages)
 
-    def __init__(self, kv_caches: KVCaches, layout: KVLayout) -> None:
-        tensors = flat_caches(kv_caches)
-        if tensors[0].device.type != "cuda":
-            raise ValueError("cuda-ipc needs the KV cache on a CUDA device")
-        self._tensors = tensors
+
+class CudaIpcExporter:
+    """Prefill side: the IPC handles of the whole cache, made once and served to every peer.
+    Under TP, rank 0 exports its own cache and carries the followers' (`follower_caches`,
+    which each follower made with export_rank_cache), so ranks[r] is rank r's share."""
+
+    def __init__(self, kv_caches: KVCaches, layout: KVLayout,
+                 follower_caches: list[worker_pb2.CudaIpcCache] = ()) -> None:
+        if 1 + len(follower_caches) != layout.tp_size:
+            raise ValueError(f"cuda-ipc export: {1 + len(follower_caches)} rank caches for a "
+                             f"layout of TP size {layout.tp_size}")
+        own = export_rank_cache(kv_caches)
         self.layout = layout
         self.endpoint = worker_pb2.CudaIpcEndpoint(
-            host_id=host_id(), device_uuid=device_uuid(tensors[0].device),
-            export_id=uuid.uuid4().hex)
-        self._response: worker_pb2.ExportKVCacheResponse | None = None
+            host_id=host_id(), device_uuid=own.device_uuid, export_id=uuid.uuid4().hex)
+        self._response = worker_pb2.ExportKVCacheResponse(
+            endpoint=self.endpoint, layout=layout_to_proto(layout),
+            ranks=[own, *follower_caches])
 
     def export(self) -> worker_pb2.ExportKVCacheResponse:
-        if self._response is None:
-            shared: dict[int, tuple] = {}  # storage data_ptr -> its _share_cuda_() fields
-            messages = []
-            for t in self._tensors:
-                storage = t.untyped_storage()
-                fields = shared.get(storage.data_ptr())
-                if fields is None:
-                    fields = shared[storage.data_ptr()] = storage._share_cuda_()
-                (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-                 event_sync) = fields
-                messages.append(worker_pb2.CudaIpcTensor(
-                    storage_handle=handle, storage_size_bytes=size_bytes,
-                    storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
-                    ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-                    event_sync_required=bool(event_sync), shape=list(t.shape),
-                    stride=list(t.stride()), storage_offset=t.storage_offset()))
-            self._response = worker_pb2.ExportKVCacheResponse(
-                endpoint=self.endpoint, layout=layout_to_proto(self.layout), tensors=messages)
         return self._response
 
 
@@ -132,15 +144,21 @@ class MappedPeer:
     caches: list[torch.Tensor]  # layer-major, as flat_caches
 
 
-def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device) -> MappedPeer:
-    """Maps every exported tensor on `device`. Raises CudaIpcUnavailable when CUDA refuses
-    (another host's handle, no peer access between the GPUs, a separate IPC namespace)."""
+def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device,
+              rank: int = 0) -> MappedPeer:
+    """Maps every tensor of the source's rank `rank` on `device` (the receiver's rank of the
+    same number: TP sizes match, the layout check saw to it). Raises CudaIpcUnavailable when
+    CUDA refuses (another host's handle, no peer access between the GPUs, a separate IPC
+    namespace) or the export holds no such rank."""
+    if rank >= len(response.ranks):
+        raise CudaIpcUnavailable(f"the source exported {len(response.ranks)} rank caches; "
+                                 f"this is rank {rank}")
     dtype = getattr(torch, layout_from_proto(response.layout).dtype)
     index = device.index if device.index is not None else torch.cuda.current_device()
     storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
     caches = []
     try:
-        for m in response.tensors:
+        for m in response.ranks[rank].tensors:
             key = (m.storage_handle, m.storage_offset_bytes)
             storage = storages.get(key)
             if storage is None:

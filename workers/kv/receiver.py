@@ -1,17 +1,19 @@
 """Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
 
     receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
-                          nixl_agent)                                     # worker start-up
+                          nixl_agent, engine)                             # worker start-up
     num_bytes, backend = await receiver.pull(channel, handle, block_ids, start_block, timeout)
 
 The caller has already checked the handle's layout (a mismatch is refused before any block is
 reserved) and releases the handle after pull returned. pull returns only after the blocks are
 written (cuda-ipc: its copy's event completed), so the caller may activate the request.
 
-cuda-ipc per peer (source address): ExportKVCache once, map the cache once (open_peer) and
-build its BlockCopier, reuse both for every handle whose export_id matches; a peer whose
-mapping failed is not tried again until its export_id changes (auto mode falls back to nixl or
-grpc for it, logged once).
+cuda-ipc per peer (source address): ExportKVCache once, map the cache once and reuse the
+mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
+again until its export_id changes (auto mode falls back to nixl or grpc for it, logged once).
+One rank maps it here (open_peer, a BlockCopier; copies go out coalesced on a copy stream);
+a TP group maps it on every rank through the engine thread (engine.runner.map_kv_peer, a slot
+per source) and every rank copies its heads (copy_kv_from_peer; parallel/ipc_ranks.py).
 
 nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
 LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto mode.
@@ -19,6 +21,7 @@ LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -30,6 +33,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.kv import transport
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.block_payload import KVCaches
+from tandem.workers.kv.cuda_ipc import CudaIpcUnavailable
 from tandem.workers.kv.grpc_backend import pull_kv
 from tandem.workers.kv.layout import KVLayout
 
@@ -42,7 +46,9 @@ LEASE_MARGIN_SECONDS = 2.0
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
-                 device: torch.device, tp_size: int, nixl_agent=None) -> None:
+                 device: torch.device, tp_size: int, nixl_agent=None, engine=None) -> None:
+        """engine: the AsyncEngine, needed when tp_size > 1 (its runner drives the ranks'
+        cuda-ipc copies; the worker has called its setup_kv_ipc at start-up)."""
         transport.check_kv_transfer(mode, device.type, tp_size)
         self.mode = mode
         self.layout = layout
@@ -51,7 +57,9 @@ class KVReceiver:
         self.tp_size = tp_size
         self._local: list[torch.Tensor] | None = None
         self._copies = None  # an ipc_copies.CoalescedCopies on this worker's copy stream
-        self._peers: dict[str, tuple] = {}  # address -> (MappedPeer, its BlockCopier)
+        self._peers: dict[str, _LocalPeer | _RankGroupPeer] = {}  # address -> its mapping
+        self._slots: dict[str, int] = {}  # TP: address -> slot of its mapping on the ranks
+        self._engine = engine
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
@@ -60,15 +68,22 @@ class KVReceiver:
             from tandem.workers.kv.nixl_receiver import NixlReceiver
 
             self.nixl = NixlReceiver(nixl_agent, layout, mode)
-        if transport.cuda_ipc_possible(mode, device.type, tp_size):
+        if transport.cuda_ipc_possible(mode, device.type):
             from tandem.workers.kv import cuda_ipc
-            from tandem.workers.kv.ipc_copies import CoalescedCopies
 
             self._host_id = cuda_ipc.host_id()
             self._local = cuda_ipc.flat_caches(kv_caches)
-            self._copies = CoalescedCopies(torch.cuda.Stream(device))
-            # The first handoff would otherwise compile the gather inside a request's TTFT.
-            cuda_ipc.BlockCopier(self._local, self._local).precompile()
+            self._group_block_bytes = tp_size * sum(
+                math.prod(t.shape[1:]) * t.element_size() for t in self._local)
+            if tp_size == 1:
+                from tandem.workers.kv.ipc_copies import CoalescedCopies
+
+                self._copies = CoalescedCopies(torch.cuda.Stream(device))
+                # The first handoff would otherwise compile the gather inside a request's TTFT
+                # (TP ranks compile theirs in setup_kv_ipc).
+                cuda_ipc.BlockCopier(self._local, self._local).precompile()
+            elif engine is None:
+                raise ValueError("KVReceiver: cuda-ipc under TP needs the engine")
 
     async def pull(self, channel: grpc.aio.Channel, address: str,
                    handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
@@ -85,7 +100,7 @@ class KVReceiver:
             else:
                 mapped = await self._peer(channel, address, endpoint.export_id, timeout)
                 if mapped is not None:
-                    num_bytes = await self._pull_ipc(channel, mapped[1], handle, block_ids,
+                    num_bytes = await self._pull_ipc(channel, mapped, handle, block_ids,
                                                      start_block, timeout)
                     return num_bytes, transport.CUDA_IPC
                 why = "mapping its cache failed"
@@ -115,41 +130,62 @@ class KVReceiver:
     def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
         return transport.choose_transport(
             self.mode, transports, endpoint.host_id if endpoint else "", self._host_id,
-            self.device.type, self.tp_size, nixl_ready=self.nixl is not None)
+            self.device.type, nixl_ready=self.nixl is not None)
 
     async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
-        from tandem.workers.kv import cuda_ipc
-
         known = self._peers.get(address)
-        if known is not None and known[0].export_id == export_id:
+        if known is not None and known.export_id == export_id:
             return known
         self._peers.pop(address, None)  # stale: the source restarted; drop the old mapping
         response = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
             worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(self.layout)),
             timeout=timeout)
+        if response.endpoint.export_id != export_id:
+            raise ValueError(f"peer {address} exported cache {response.endpoint.export_id}, "
+                             f"the handle names {export_id}: it restarted in between")
         try:
-            peer = await asyncio.to_thread(cuda_ipc.open_peer, response, self.device)
-        except cuda_ipc.CudaIpcUnavailable as exc:
+            if self.tp_size == 1:
+                peer = await self._map_here(response)
+            else:
+                peer = await self._map_on_ranks(address, response)
+        except CudaIpcUnavailable as exc:
             self._failed[address] = export_id
             log = logger.error if self.mode == transport.CUDA_IPC else logger.warning
             log("KV from %s: cuda-ipc unavailable (%s)%s", address, exc,
                 "" if self.mode == transport.CUDA_IPC else "; falling back to grpc")
             return None
-        if peer.export_id != export_id:
-            raise ValueError(f"peer {address} exported cache {peer.export_id}, the handle "
-                             f"names {export_id}: it restarted in between")
-        copier = cuda_ipc.BlockCopier(peer.caches, self._local)
-        logger.info("KV from %s over cuda-ipc: mapped %d cache tensors on %s (%s)", address,
-                    len(peer.caches), self.device,
-                    "one gather" if copier.one_launch else "a gather per tensor")
-        self._peers[address] = (peer, copier)
-        return peer, copier
+        logger.info("KV from %s over cuda-ipc: %s", address, peer.description)
+        self._peers[address] = peer
+        return peer
 
-    async def _pull_ipc(self, channel, copier, handle, block_ids, start_block, timeout) -> int:
+    async def _map_here(self, response: worker_pb2.ExportKVCacheResponse) -> _LocalPeer:
+        from tandem.workers.kv import cuda_ipc
+
+        mapped = await asyncio.to_thread(cuda_ipc.open_peer, response, self.device)
+        copier = cuda_ipc.BlockCopier(mapped.caches, self._local)
+        return _LocalPeer(mapped.export_id, copier, self._copies,
+                          f"mapped {len(mapped.caches)} cache tensors on {self.device} ("
+                          f"{'one gather' if copier.one_launch else 'a gather per tensor'})")
+
+    async def _map_on_ranks(self, address: str,
+                            response: worker_pb2.ExportKVCacheResponse) -> _RankGroupPeer:
+        if len(response.ranks) != self.tp_size:
+            raise CudaIpcUnavailable(f"the source exported {len(response.ranks)} rank caches, "
+                                     f"this worker has {self.tp_size} ranks")
+        slot = self._slots.setdefault(address, len(self._slots))
+        failed = await self._engine.call(lambda e: e.runner.map_kv_peer(slot, response))
+        if failed:
+            raise CudaIpcUnavailable(f"mapping the source's cache failed on rank(s) {failed} "
+                                     f"(see their logs)")
+        return _RankGroupPeer(response.endpoint.export_id, self._engine, slot,
+                              self._group_block_bytes,
+                              f"mapped on all {self.tp_size} ranks (slot {slot})")
+
+    async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:
         """Copy by cuda-ipc. The handle names its pinned blocks and their deadline on this
         host's monotonic clock; with LEASE_MARGIN_SECONDS left the copy starts at once, else
         LeaseKV renews the pin first (and returns the blocks). Copies of handles pulled in the
-        same event-loop turn go out as one launch (ipc_copies.py)."""
+        same event-loop turn go out as one launch (ipc_copies.py; one rank)."""
         endpoint = handle.cuda_ipc
         if (len(endpoint.block_ids) >= handle.num_blocks and endpoint.lease_deadline_monotonic
                 - time.monotonic() > LEASE_MARGIN_SECONDS):
@@ -166,8 +202,39 @@ class KVReceiver:
             raise ValueError(f"KV handle {handle.handle_id}: source pinned {len(src_ids)} "
                              f"blocks from block {start_block}, receiver expected "
                              f"{len(block_ids)}")
-        await self._copies.copy(copier, src_ids, list(block_ids))
+        await peer.copy(src_ids, list(block_ids))
         if time.monotonic() >= deadline:
             raise ValueError(f"KV handle {handle.handle_id}: the copy ended after the source's "
                              f"lease; the blocks may have been reused")
-        return len(src_ids) * copier.block_bytes
+        return len(src_ids) * peer.block_bytes
+
+
+class _LocalPeer:
+    """One rank: the source's cache mapped in this process; copies run on the copy stream."""
+
+    def __init__(self, export_id: str, copier, copies, description: str) -> None:
+        self.export_id = export_id
+        self.block_bytes = copier.block_bytes
+        self.description = description
+        self._copier, self._copies = copier, copies
+
+    async def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        await self._copies.copy(self._copier, src_ids, dst_ids)
+
+
+class _RankGroupPeer:
+    """TP: the source mapped on every rank under `slot`; a copy is one engine command that
+    every rank runs on its heads (rank_runner.copy_kv_from_peer)."""
+
+    def __init__(self, export_id: str, engine, slot: int, block_bytes: int,
+                 description: str) -> None:
+        self.export_id = export_id
+        self.block_bytes = block_bytes  # of every rank together
+        self.description = description
+        self._engine, self._slot = engine, slot
+
+    async def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        failed = await self._engine.call(
+            lambda e: e.runner.copy_kv_from_peer(self._slot, src_ids, dst_ids))
+        if failed:
+            raise transport.KVTransferFailed(f"cuda-ipc copy failed on rank(s) {failed}")

@@ -2,9 +2,9 @@
 
 Prefill side: every handle offers "grpc"; it also offers
   "cuda-ipc" (with the host identity, device and export id in KVHandle.cuda_ipc) when the mode
-             is auto or cuda-ipc, the cache is on a CUDA device and the worker runs one rank
-             (TP ranks keep their shares on separate GPUs; a TP group hands off over grpc,
-             which gathers the ranks' heads);
+             is auto or cuda-ipc and the cache is on a CUDA device; under TP every rank's
+             cache is exported (rank r of the receiver copies from rank r of the source:
+             parallel/ipc_ranks.py);
   "nixl"     (with the NIXL agent's name and export id in KVHandle.nixl) when this worker
              created a NIXL agent over its cache: always in nixl mode, and in auto mode when
              nixl is installed, the cache is on a CUDA device and the worker runs one rank.
@@ -13,8 +13,8 @@ Prefill side: every handle offers "grpc"; it also offers
 
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
   grpc      always grpc.
-  auto      cuda-ipc when the handle offers it, the source is on this host, this worker is one
-            CUDA rank, and mapping the source's cache succeeds; else nixl when the handle offers
+  auto      cuda-ipc when the handle offers it, the source is on this host, this worker's cache
+            is on CUDA devices, and mapping the source's cache succeeds (on every rank); else nixl when the handle offers
             it, this worker has a NIXL agent and loading the source's agent succeeds; otherwise
             grpc, with one log line per peer.
   cuda-ipc  as auto without nixl, but a handle that cannot go by cuda-ipc fails the request
@@ -50,13 +50,13 @@ def check_kv_transfer(mode: str, device_type: str, tp_size: int) -> None:
     if mode == CUDA_IPC and device_type != "cuda":
         raise ValueError(f"--kv-transfer cuda-ipc needs the KV cache on a CUDA device, not "
                          f"{device_type!r} (use auto or grpc)")
-    if mode in (CUDA_IPC, NIXL) and tp_size != 1:
-        raise ValueError(f"--kv-transfer {mode} needs --tensor-parallel-size 1 (got "
-                         f"{tp_size}); TP workers hand KV off over grpc")
+    if mode == NIXL and tp_size != 1:
+        raise ValueError(f"--kv-transfer nixl needs --tensor-parallel-size 1 (got {tp_size}); "
+                         f"TP workers hand KV off over cuda-ipc (one host) or grpc")
 
 
-def cuda_ipc_possible(mode: str, device_type: str, tp_size: int) -> bool:
-    return mode in (AUTO, CUDA_IPC) and device_type == "cuda" and tp_size == 1
+def cuda_ipc_possible(mode: str, device_type: str) -> bool:
+    return mode in (AUTO, CUDA_IPC) and device_type == "cuda"
 
 
 def nixl_wanted(mode: str, device_type: str, tp_size: int, nixl_installed: bool) -> bool:
@@ -70,14 +70,14 @@ def offered_transports(mode: str, device_type: str, tp_size: int,
                        nixl_ready: bool = False) -> list[str]:
     """What a prefill worker offers in its handles, preferred first, grpc last.
     nixl_ready: this worker has a NIXL agent over its cache."""
-    offered = [CUDA_IPC] if cuda_ipc_possible(mode, device_type, tp_size) else []
+    offered = [CUDA_IPC] if cuda_ipc_possible(mode, device_type) else []
     if nixl_ready and mode in (AUTO, NIXL):
         offered.append(NIXL)
     return [*offered, GRPC]
 
 
 def choose_transport(mode: str, transports: list[str], source_host_id: str,
-                     local_host_id: str, device_type: str, tp_size: int,
+                     local_host_id: str, device_type: str,
                      nixl_ready: bool = False) -> tuple[str, str]:
     """(backend, why) for one handle on the decode side, before trying to map anything.
     nixl_ready: this worker has a NIXL agent over its cache. Raises KVTransportUnavailable
@@ -87,7 +87,7 @@ def choose_transport(mode: str, transports: list[str], source_host_id: str,
         return GRPC, "--kv-transfer grpc"
     refusals = []
     if mode in (AUTO, CUDA_IPC):
-        why = _cuda_ipc_refusal(offered, source_host_id, local_host_id, device_type, tp_size)
+        why = _cuda_ipc_refusal(offered, source_host_id, local_host_id, device_type)
         if why is None:
             return CUDA_IPC, "same host"
         if mode == CUDA_IPC:
@@ -111,11 +111,11 @@ def choose_transport(mode: str, transports: list[str], source_host_id: str,
 
 
 def _cuda_ipc_refusal(offered: list[str], source_host_id: str, local_host_id: str,
-                      device_type: str, tp_size: int) -> str | None:
+                      device_type: str) -> str | None:
     if CUDA_IPC not in offered:
         return "the source does not offer cuda-ipc"
     if not source_host_id or source_host_id != local_host_id:
         return f"the source is on another host ({source_host_id or 'unknown'})"
-    if device_type != "cuda" or tp_size != 1:
-        return f"this worker is not one CUDA rank (device {device_type}, TP {tp_size})"
+    if device_type != "cuda":
+        return f"this worker's KV cache is not on a CUDA device ({device_type})"
     return None

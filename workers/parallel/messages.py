@@ -14,6 +14,12 @@ and, for some commands, one int64 payload whose length the header gives:
     STOP       no args: followers leave their loop and exit
     KV_BLOCKS  args (num_kv_blocks,): sent once after loading, so every rank sizes its cache
                exactly as rank 0 did
+    IPC_SETUP  no args: every rank readies cuda-ipc (compiles its gather, exports its cache) and
+               sends rank 0 its export (parallel/ipc_ranks.py)
+    IPC_MAP    args (slot, num_bytes); payload = a source's ExportKVCacheResponse as bytes
+               (pack_bytes): rank r maps the source's rank r cache under `slot`
+    IPC_COPY   args (slot, num_blocks); payload = source block ids then destination block ids:
+               every rank copies its share from the source mapped under `slot`
 """
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ class Command(IntEnum):
     SCATTER_KV = 3
     STOP = 4
     KV_BLOCKS = 5
+    IPC_SETUP = 6
+    IPC_MAP = 7
+    IPC_COPY = 8
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -65,7 +74,27 @@ def payload_length(header: torch.Tensor) -> int:
         return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
     if command in (Command.GATHER_KV, Command.SCATTER_KV):
         return int(header[1])
+    if command is Command.IPC_MAP:
+        return packed_length(int(header[2]))
+    if command is Command.IPC_COPY:
+        return 2 * int(header[2])
     return 0
+
+
+def packed_length(num_bytes: int) -> int:
+    """int64 values that hold num_bytes bytes (pack_bytes)."""
+    return -(-num_bytes // 8)
+
+
+def pack_bytes(data: bytes) -> torch.Tensor:
+    """Bytes -> int64 values (zero-padded to a multiple of 8 bytes); unpack_bytes inverts."""
+    padded = data + bytes(packed_length(len(data)) * 8 - len(data))
+    return torch.frombuffer(bytearray(padded), dtype=torch.int64) if padded else \
+        torch.empty(0, dtype=torch.int64)
+
+
+def unpack_bytes(values: torch.Tensor, num_bytes: int) -> bytes:
+    return values.contiguous().view(torch.uint8).numpy().tobytes()[:num_bytes]
 
 
 def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,

@@ -8,7 +8,8 @@ Invariant: collectives on a worker's groups are issued in the same order on ever
 rank 0 they are issued only by the thread that drives the engine (the engine thread while it
 runs; the constructing or stopping thread before and after), never by a gRPC handler: the
 KV handoff reaches the other ranks' shards through `gather_kv_blocks` / `scatter_kv_blocks`,
-which the servicers run as engine commands.
+which the servicers run as engine commands, and cuda-ipc handoffs through `setup_kv_ipc`,
+`map_kv_peer` and `copy_kv_from_peer` (ipc_ranks.py).
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ from tandem.common.logging import get_logger
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.scheduler import SchedulerOutput
+from tandem.v1 import worker_pb2
 from tandem.workers.parallel.followers import FollowerProcesses
+from tandem.workers.parallel.ipc_ranks import (RankIpcPeers, all_gather_bytes, failed_ranks,
+                                               follow_ipc_command)
 from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
                                                local_share, share_shape, split_joined,
                                                write_local_share)
-from tandem.workers.parallel.messages import (HEADER_LEN, Command, make_header, pack_inputs,
-                                              payload_length, unpack_inputs)
+from tandem.workers.parallel.messages import (HEADER_LEN, Command, make_header, pack_bytes,
+                                              pack_inputs, payload_length, unpack_inputs)
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
                                                    open_leader_store)
 
@@ -88,6 +92,7 @@ class LeaderRunner:
         self.group = group
         num_kv_blocks = runner.kv_caches[0][0].shape[0]
         group.send(make_header(Command.KV_BLOCKS, num_kv_blocks))
+        self._ipc: RankIpcPeers | None = None
 
     @property
     def kv_caches(self) -> KVCaches:
@@ -128,12 +133,44 @@ class LeaderRunner:
             dist.scatter(mine, shares, src=0)
         write_local_share(self.kv_caches, block_ids, mine)
 
+    def setup_kv_ipc(self) -> list[worker_pb2.CudaIpcCache]:
+        """Readies cuda-ipc on every rank (ipc_ranks.py); returns the followers' cache
+        exports in rank order. Engine thread only."""
+        with self.group.fatal_on_error("cuda-ipc setup"):
+            self.group.send(make_header(Command.IPC_SETUP))
+            exports = all_gather_bytes(self._ipc_peers().setup(), self.group.control_group)
+        return [worker_pb2.CudaIpcCache.FromString(data) for data in exports[1:]]
+
+    def map_kv_peer(self, slot: int, response: worker_pb2.ExportKVCacheResponse) -> list[int]:
+        """Every rank r maps the source's rank r cache under `slot`; returns the ranks where
+        CUDA refused (empty: mapped everywhere). Engine thread only."""
+        data = response.SerializeToString()
+        with self.group.fatal_on_error("cuda-ipc map"):
+            self.group.send(make_header(Command.IPC_MAP, slot, len(data)), pack_bytes(data))
+            return failed_ranks(self._ipc_peers().map(slot, response),
+                                self.group.control_group)
+
+    def copy_kv_from_peer(self, slot: int, src_ids: list[int], dst_ids: list[int]) -> list[int]:
+        """Every rank copies its share of src_ids (the source mapped under `slot`) into
+        dst_ids and waits for it; returns the ranks whose copy failed. Engine thread only."""
+        ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int64)
+        with self.group.fatal_on_error("cuda-ipc copy"):
+            self.group.send(make_header(Command.IPC_COPY, slot, len(src_ids)), ids)
+            return failed_ranks(self._ipc_peers().copy(slot, src_ids, dst_ids),
+                                self.group.control_group)
+
+    def _ipc_peers(self) -> RankIpcPeers:
+        if self._ipc is None:
+            self._ipc = RankIpcPeers(self.kv_caches, self.kv_caches[0][0].device, 0)
+        return self._ipc
+
 
 def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
                   device: torch.device) -> None:
     """A follower's life after loading: replay rank 0's commands until STOP.
 
     Raises (and the process should exit) when rank 0 goes away mid-collective."""
+    ipc: RankIpcPeers | None = None  # made on the first cuda-ipc command
     while True:
         header = _receive_header(control_group)
         command = Command(int(header[0]))
@@ -154,6 +191,9 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
                                dtype=like.dtype, device=like.device)
             dist.scatter(mine, None, src=0)
             write_local_share(runner.kv_caches, block_ids, mine)
+        elif command in (Command.IPC_SETUP, Command.IPC_MAP, Command.IPC_COPY):
+            ipc = ipc or RankIpcPeers(runner.kv_caches, device, dist.get_rank())
+            follow_ipc_command(ipc, command.name, header, payload, control_group)
         else:
             raise RuntimeError(f"unexpected command {command.name}")
 

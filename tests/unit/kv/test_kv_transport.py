@@ -29,7 +29,7 @@ def test_flag_choices_and_default():
 @pytest.mark.parametrize("mode,device,tp,error", [
     ("auto", "cpu", 1, None), ("auto", "cuda", 2, None), ("grpc", "cpu", 4, None),
     ("cuda-ipc", "cuda", 1, None), ("cuda-ipc", "cpu", 1, "CUDA device"),
-    ("cuda-ipc", "cuda", 2, "tensor-parallel-size 1"), ("rdma", "cuda", 1, "not one of"),
+    ("cuda-ipc", "cuda", 2, None), ("rdma", "cuda", 1, "not one of"),
     ("nixl", "cpu", 1, None), ("nixl", "cuda", 1, None),
     ("nixl", "cuda", 2, "kv-transfer nixl needs --tensor-parallel-size 1")])
 def test_check_kv_transfer(mode, device, tp, error):
@@ -45,7 +45,7 @@ def test_offered_transports():
     assert offered_transports("cuda-ipc", "cuda", 1) == [CUDA_IPC, GRPC]
     assert offered_transports("grpc", "cuda", 1) == [GRPC]
     assert offered_transports("auto", "cpu", 1) == [GRPC]
-    assert offered_transports("auto", "cuda", 2) == [GRPC]
+    assert offered_transports("auto", "cuda", 2) == [CUDA_IPC, GRPC]
     assert offered_transports("auto", "cuda", 1, nixl_ready=True) == [CUDA_IPC, NIXL, GRPC]
     assert offered_transports("nixl", "cuda", 1, nixl_ready=True) == [NIXL, GRPC]
     assert offered_transports("nixl", "cpu", 1, nixl_ready=True) == [NIXL, GRPC]
@@ -65,32 +65,32 @@ def test_nixl_wanted(mode, device, tp, installed, wanted):
 
 def test_choose_transport_order_is_cuda_ipc_then_nixl_then_grpc():
     every = [CUDA_IPC, NIXL, GRPC]
-    assert choose_transport("auto", every, HOST, HOST, "cuda", 1, nixl_ready=True)[0] == \
+    assert choose_transport("auto", every, HOST, HOST, "cuda", nixl_ready=True)[0] == \
         CUDA_IPC
-    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda", 1,
+    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda",
                                     nixl_ready=True)
     assert backend == NIXL and "another host" in why
-    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda", 1)
+    backend, why = choose_transport("auto", every, "other/boot", HOST, "cuda")
     assert backend == GRPC and "another host" in why and "no NIXL agent" in why
-    backend, why = choose_transport("auto", [CUDA_IPC, GRPC], "other/boot", HOST, "cuda", 1,
+    backend, why = choose_transport("auto", [CUDA_IPC, GRPC], "other/boot", HOST, "cuda",
                                     nixl_ready=True)
     assert backend == GRPC and "does not offer nixl" in why
-    assert choose_transport("grpc", every, "o", HOST, "cuda", 1, nixl_ready=True)[0] == GRPC
+    assert choose_transport("grpc", every, "o", HOST, "cuda", nixl_ready=True)[0] == GRPC
     # cuda-ipc mode never takes nixl
     with pytest.raises(KVTransportUnavailable, match="another host"):
-        choose_transport("cuda-ipc", every, "other/boot", HOST, "cuda", 1, nixl_ready=True)
+        choose_transport("cuda-ipc", every, "other/boot", HOST, "cuda", nixl_ready=True)
 
 
 def test_nixl_mode_requires_nixl_even_on_one_host():
     every = [CUDA_IPC, NIXL, GRPC]
-    assert choose_transport("nixl", every, HOST, HOST, "cuda", 1, nixl_ready=True) == \
+    assert choose_transport("nixl", every, HOST, HOST, "cuda", nixl_ready=True) == \
         (NIXL, "--kv-transfer nixl")
-    assert choose_transport("nixl", [NIXL], "", HOST, "cpu", 1, nixl_ready=True)[0] == NIXL
+    assert choose_transport("nixl", [NIXL], "", HOST, "cpu", nixl_ready=True)[0] == NIXL
     with pytest.raises(KVTransportUnavailable, match="--kv-transfer nixl: the source does "
                                                      "not offer nixl"):
-        choose_transport("nixl", [CUDA_IPC, GRPC], HOST, HOST, "cuda", 1, nixl_ready=True)
+        choose_transport("nixl", [CUDA_IPC, GRPC], HOST, HOST, "cuda", nixl_ready=True)
     with pytest.raises(KVTransportUnavailable, match="no NIXL agent"):
-        choose_transport("nixl", every, HOST, HOST, "cpu", 1)
+        choose_transport("nixl", every, HOST, HOST, "cpu")
 
 
 def test_handle_carries_the_nixl_endpoint_in_field_10():
@@ -117,28 +117,27 @@ def test_importing_the_workers_does_not_import_nixl():
 
 def test_choose_transport_prefers_cuda_ipc_on_one_host():
     both = [CUDA_IPC, GRPC]
-    assert choose_transport("auto", both, HOST, HOST, "cuda", 1)[0] == CUDA_IPC
-    assert choose_transport("cuda-ipc", both, HOST, HOST, "cuda", 1)[0] == CUDA_IPC
-    assert choose_transport("grpc", both, HOST, HOST, "cuda", 1) == (GRPC, "--kv-transfer grpc")
+    assert choose_transport("auto", both, HOST, HOST, "cuda")[0] == CUDA_IPC
+    assert choose_transport("cuda-ipc", both, HOST, HOST, "cuda")[0] == CUDA_IPC
+    assert choose_transport("grpc", both, HOST, HOST, "cuda") == (GRPC, "--kv-transfer grpc")
 
 
-@pytest.mark.parametrize("transports,source_host,device,tp,why", [
-    ([GRPC], HOST, "cuda", 1, "does not offer cuda-ipc"),
-    ([], HOST, "cuda", 1, "does not offer cuda-ipc"),  # an old handle: grpc only
-    ([CUDA_IPC, GRPC], "other/boot", "cuda", 1, "another host"),
-    ([CUDA_IPC, GRPC], "", "cuda", 1, "another host"),
-    ([CUDA_IPC, GRPC], HOST, "cpu", 1, "not one CUDA rank"),
-    ([CUDA_IPC, GRPC], HOST, "cuda", 2, "not one CUDA rank")])
-def test_choose_transport_falls_back_or_refuses(transports, source_host, device, tp, why):
-    backend, reason = choose_transport("auto", transports, source_host, HOST, device, tp)
+@pytest.mark.parametrize("transports,source_host,device,why", [
+    ([GRPC], HOST, "cuda", "does not offer cuda-ipc"),
+    ([], HOST, "cuda", "does not offer cuda-ipc"),  # an old handle: grpc only
+    ([CUDA_IPC, GRPC], "other/boot", "cuda", "another host"),
+    ([CUDA_IPC, GRPC], "", "cuda", "another host"),
+    ([CUDA_IPC, GRPC], HOST, "cpu", "not on a CUDA device")])
+def test_choose_transport_falls_back_or_refuses(transports, source_host, device, why):
+    backend, reason = choose_transport("auto", transports, source_host, HOST, device)
     assert backend == GRPC and why in reason
     with pytest.raises(KVTransportUnavailable, match=why):
-        choose_transport("cuda-ipc", transports, source_host, HOST, device, tp)
+        choose_transport("cuda-ipc", transports, source_host, HOST, device)
 
 
 def test_no_common_backend_is_refused():
     with pytest.raises(KVTransportUnavailable, match="no common"):
-        choose_transport("auto", [CUDA_IPC], "other/boot", HOST, "cuda", 1)
+        choose_transport("auto", [CUDA_IPC], "other/boot", HOST, "cuda")
 
 
 def test_handle_carries_transports_and_endpoint():

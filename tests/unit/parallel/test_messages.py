@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from tandem.workers.parallel.messages import Command, make_header, payload_length
+from tandem.workers.parallel.messages import (Command, make_header, pack_bytes, packed_length,
+                                              payload_length, unpack_bytes)
 
 
 def test_payload_lengths_come_from_the_headers():
     assert payload_length(make_header(Command.GATHER_KV, 7)) == 7
     assert payload_length(make_header(Command.SCATTER_KV, 3)) == 3
-    for command in (Command.STOP, Command.KV_BLOCKS):
+    assert payload_length(make_header(Command.IPC_MAP, 3, 17)) == 3  # 17 bytes in 3 int64s
+    assert payload_length(make_header(Command.IPC_COPY, 3, 5)) == 10  # src then dst ids
+    for command in (Command.STOP, Command.KV_BLOCKS, Command.IPC_SETUP):
         assert payload_length(make_header(command, 9)) == 0
+
+
+def test_bytes_survive_packing():
+    for data in (b"", b"a", bytes(range(8)), bytes(range(256)) * 3):
+        packed = pack_bytes(data)
+        assert packed.dtype == torch.int64 and packed.numel() == packed_length(len(data))
+        assert unpack_bytes(packed, len(data)) == data
 
 
 def test_step_payload_length_matches_its_parts():
