@@ -4,7 +4,8 @@
   (KV moves from one GPU cache to the other through the gRPC backend) gives transformers'
   greedy tokens, and both workers end with no KV in use.
 * With two or more GPUs: TP=2 (NCCL all-reduces, ranks on cuda:0 and cuda:1) and EP=2 give
-  transformers' greedy tokens offline, in fp32.
+  transformers' greedy tokens offline, in fp32; with the aiter-triton kernels TP=2 decode
+  replays CUDA graphs that both ranks captured together.
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ def test_tensor_parallel_on_two_gpus(checkpoint, kernels):
     with LLM(ckpt.path, dtype="float32", device="cuda", kernels=kernels,
              tensor_parallel_size=2) as llm:
         assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=82))
+        graphs = llm.engine.runner.graphs
+        if kernels == "aiter-triton":  # every rank captured; decode steps replayed in step
+            assert graphs is not None and graphs.num_replays > 0
+        else:
+            assert graphs is None  # the torch kernels make host-side decisions
 
 
 @needs_two_gpus

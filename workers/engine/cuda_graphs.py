@@ -50,6 +50,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # decode steps served by a graph (tests, bench)
         self.logits: dict[int, torch.Tensor] = {}
         self._capture(device)
 
@@ -82,6 +83,14 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
                     ",".join(map(str, self.sizes)), time.monotonic() - started)
 
+    def release(self) -> None:
+        """Destroys every graph now, whoever still holds this object; can_run is False after."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        self.max_batch = 0
+
     def can_run(self, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
         return max_query_len == 1 and num_seqs <= self.max_batch and num_blocks <= self.max_blocks
 
@@ -104,4 +113,5 @@ class DecodeGraphs:
             self.seq_lens[batch:size].fill_(1)
             self.block_tables[batch:size].zero_()
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.logits[size][:batch]

@@ -89,10 +89,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
-        self._maybe_enable_cuda_graphs(runner, device, max_model_len)
         # With TP, rank 0's runner mirrors every step (and KV handoff) on the follower ranks.
         self.runner = runner if self.rank_group is None else LeaderRunner(runner,
                                                                           self.rank_group)
+        if self._decode_graphs_possible(device):  # with TP, every rank captures (in step)
+            self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
+                                           max_model_len)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
@@ -105,26 +107,26 @@ class LLMEngine:
         """Stop the follower ranks and leave their process group (TP); nothing to do on one
         rank. Idempotent. Call it from the thread that drove the engine, after its last step."""
         if self.rank_group is not None:
+            # NCCL's teardown waits for the CUDA graphs that captured its collectives (it hung
+            # in destroy_process_group with them alive, on 2 H200s): free them first.
+            self.runner.release_cuda_graphs()
             self.rank_group.shutdown()
 
-    def _maybe_enable_cuda_graphs(self, runner: ModelRunner, device: torch.device,
-                                  max_model_len: int) -> None:
+    def _decode_graphs_possible(self, device: torch.device) -> bool:
         """Decode graphs on a GPU with the aiter-triton kernels, unless an op cannot replay
-        (host-side decisions) or the model spans ranks (NCCL inside graphs: a first try, every
-        rank capturing together, hung on 2 H200s in session 7 and was reverted: 5fbca6c)."""
+        (host-side decisions, e.g. expert parallelism's all-to-all counts). TP ranks capture
+        together: the graphs hold their NCCL all-reduces, replayed in step as every rank
+        replays the same batch."""
         config = self.config
         if device.type != "cuda" or config.enforce_eager or \
                 resolve_backend(config.kernels, device.type) is not KernelBackend.AITER_TRITON:
-            return
+            return False
         blockers = [name for name, m in self.model.named_modules()
                     if not getattr(m, "supports_cuda_graphs", True)]
-        if config.tensor_parallel_size > 1:
-            blockers.insert(0, f"tensor_parallel_size={config.tensor_parallel_size}")
         if blockers:
             logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA graph",
                         blockers[0], len(blockers) - 1)
-            return
-        runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs), max_model_len)
+        return not blockers
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, pin_after_prefill: bool = False

@@ -7,6 +7,7 @@ policy.
 """
 from __future__ import annotations
 
+
 import math
 from dataclasses import dataclass
 
@@ -98,6 +99,14 @@ class ModelRunner:
         """Capture decode graphs; later decode batches up to the largest size replay them."""
         self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
                                    self.device)
+
+    def release_cuda_graphs(self) -> None:
+        """Frees the decode graphs (later decode steps run eagerly) once the GPU is done with
+        them."""
+        if self.graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.graphs.release()
+            self.graphs = None
 
     def prepare_inputs(self, batch: SchedulerOutput) -> ModelInputs:
         input_ids: list[int] = []

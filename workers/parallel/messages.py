@@ -20,6 +20,9 @@ and, for some commands, one int64 payload whose length the header gives:
                (pack_bytes): rank r maps the source's rank r cache under `slot`
     IPC_COPY   args (slot, num_blocks); payload = source block ids then destination block ids:
                every rank copies its share from the source mapped under `slot`
+    CAPTURE_GRAPHS args (max_model_len, n); payload = n decode batch sizes: every rank captures
+               its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
+               collectives of their warm-up passes and captures pair up
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class Command(IntEnum):
     IPC_SETUP = 6
     IPC_MAP = 7
     IPC_COPY = 8
+    CAPTURE_GRAPHS = 9
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -78,6 +82,8 @@ def payload_length(header: torch.Tensor) -> int:
         return packed_length(int(header[2]))
     if command is Command.IPC_COPY:
         return 2 * int(header[2])
+    if command is Command.CAPTURE_GRAPHS:
+        return int(header[2])
     return 0
 
 

@@ -103,6 +103,23 @@ class LeaderRunner:
     def tp_size(self) -> int:
         return self.group.tp_size
 
+    @property
+    def graphs(self):
+        return self.runner.graphs
+
+    def enable_cuda_graphs(self, capture_sizes: list[int], max_model_len: int) -> None:
+        """Every rank captures the same decode graphs (rank 0 here, the followers on
+        CAPTURE_GRAPHS); each rank's later STEP replays the graph of the same batch size."""
+        with self.group.fatal_on_error("CUDA graph capture"):
+            self.group.send(make_header(Command.CAPTURE_GRAPHS, max_model_len,
+                                        len(capture_sizes)),
+                            torch.tensor(capture_sizes, dtype=torch.int64))
+            self.runner.enable_cuda_graphs(capture_sizes, max_model_len)
+
+    def release_cuda_graphs(self) -> None:
+        """Rank 0's graphs (followers free theirs by exiting)."""
+        self.runner.release_cuda_graphs()
+
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
         inputs = self.runner.prepare_inputs(batch)
@@ -184,6 +201,8 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
                 runner.execute(unpack_inputs(header, payload, device))
         elif command is Command.GATHER_KV:
             dist.gather(local_share(runner.kv_caches, payload.tolist()), None, dst=0)
+        elif command is Command.CAPTURE_GRAPHS:
+            runner.enable_cuda_graphs(payload.tolist(), int(header[1]))
         elif command is Command.SCATTER_KV:
             block_ids = payload.tolist()
             like = runner.kv_caches[0][0]

@@ -9,6 +9,8 @@ from tandem.workers.parallel.messages import (Command, make_header, pack_bytes, 
 
 
 def test_payload_lengths_come_from_the_headers():
+    sizes = [1, 2, 4, 8, 16]
+    assert payload_length(make_header(Command.CAPTURE_GRAPHS, 4096, len(sizes))) == 5
     assert payload_length(make_header(Command.GATHER_KV, 7)) == 7
     assert payload_length(make_header(Command.SCATTER_KV, 3)) == 3
     assert payload_length(make_header(Command.IPC_MAP, 3, 17)) == 3  # 17 bytes in 3 int64s
