@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -110,6 +111,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, load_format=args.load_format)
 
 
+LOST_FOLLOWER_EXIT_CODE = 3
+
+
 async def serve(args: argparse.Namespace) -> None:
     from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
 
@@ -131,6 +135,8 @@ async def serve(args: argparse.Namespace) -> None:
                                on_step=WorkerMetricsRecorder(engine, metrics).after_step)
     try:
         await _serve_engine(args, async_engine, metrics, tls, compiles)
+    except LostFollowerRank:
+        _exit_without_teardown(engine)
     finally:
         compiles.uninstall()
         await async_engine.stop()
@@ -209,7 +215,23 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     if nixl_agent is not None:
         nixl_agent.close()
     if lost_follower.is_set():
-        raise SystemExit("tandem worker: a follower rank exited; stopped the worker")
+        raise LostFollowerRank()
+
+
+class LostFollowerRank(Exception):
+    """A follower rank exited while the worker served: the model spans a dead process."""
+
+
+def _exit_without_teardown(engine) -> None:
+    """After a follower died, the other ranks' collectives wait for it forever (NCCL: inside a
+    replaying CUDA graph too), so no step, synchronize or process-group teardown can be trusted
+    to return. The gRPC server has already stopped; kill the remaining followers and exit now
+    (non-zero, for the orchestrator to restart the pod); the OS frees the GPUs."""
+    engine.rank_group.followers.kill()
+    print("tandem worker: a follower rank exited; stopped the worker", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(LOST_FOLLOWER_EXIT_CODE)
 
 
 async def _nixl_agent(mode: str, kv_caches, layout: KVLayout, tp_size: int):

@@ -8,26 +8,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from helpers.checkpoints import random_prompts
 from helpers.client import generate, request, worker_load
-from helpers.processes import free_port, start, start_stack, stop, wait_serving
+from helpers.processes import (child_pids, free_port, start, start_stack, stop,
+                               wait_serving)
 
 from tandem import SamplingParams
 from tandem.common.convert import engine_params_to_proto
 from tandem.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+from tandem.workers.server import LOST_FOLLOWER_EXIT_CODE
 
 TP2 = ["--tensor-parallel-size", "2"]
-
-
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children
 
 
 def is_running(pid: int) -> bool:
@@ -72,7 +66,7 @@ def test_parallel_prefill_and_decode_give_transformers_tokens(checkpoint, moe_ch
         decode = stack.workers["decode-0"].popen
         [decode_follower] = child_pids(decode.pid)
         os.kill(decode_follower, signal.SIGKILL)
-        assert decode.wait(timeout=20) != 0
+        assert decode.wait(timeout=20) == LOST_FOLLOWER_EXIT_CODE
     finally:
         stop(stack.processes)
     wait_gone(followers, timeout=5)

@@ -42,6 +42,14 @@ def _env() -> dict:
     return env
 
 
+def child_pids(pid: int) -> list[int]:
+    """The pids of a process's children (every thread's)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
 def start(name: str, args: list[str], port: int, log_dir: Path) -> Process:
     log_path = log_dir / f"{name}.log"
     log = open(log_path, "w")
