@@ -9,9 +9,10 @@ gloo group, used for a barrier before every stage. Stages (stage "init" always r
   eager_all_reduce                warm the communicator eagerly, check the sum
   capture_all_reduce              captured on torch.cuda.graph's own side stream, replayed, checked
   capture_all_gather_into_tensor  the same
-  capture_all_gather_list         the same, list form dist.all_gather(list, t)            (suspect 1)
+  capture_all_gather_list         the same, list form dist.all_gather(list, t)   (suspect 1)
   capture_many                    3 graphs (batch 4, 2, 1; one pool, one side stream), each matmul
-                                  + all_reduce + list all_gather, checked against eager    (suspect 4)
+                                  + all_reduce + list all_gather, checked against eager
+                                                                                 (suspect 4)
   fresh_comm_capture              new_group(backend="nccl") whose FIRST collective is captured:
                                   expected to fail or hang (suspect 2; under --eager-init the new
                                   group may be set up eagerly, so then it is not really fresh)
@@ -21,6 +22,10 @@ Children print "rank R stage S start|ok <ms> ms|error <msg>"; a watchdog thread 
 S" (S ending ":barrier": the peer is gone), dumps Python stacks and exits 3 after --stage-timeout.
 The parent kills both after --timeout, prints a stage x rank table, writes everything to
 $OUT/nccl-graph-probe.log if OUT is set, and exits 0 whatever happened: it is a probe.
+
+Found on 2 H200s (bench/results/nccl-graph-probe-*.log): every stage but fresh_comm_capture
+passes, so capturing the engine's collectives was never the problem; the TP engine's hang was
+rank 0's destroy_process_group waiting on the live graphs (LLMEngine.shutdown frees them first).
 """
 from __future__ import annotations
 
@@ -82,7 +87,8 @@ def _graph_stage(c, body, gather=False):
 
 
 def stage_eager_all_reduce(c):
-    dist.all_reduce(torch.ones(N, device=c.dev))  # first use creates the communicator (no --eager-init)
+    # The first use creates the communicator (without --eager-init).
+    dist.all_reduce(torch.ones(N, device=c.dev))
     y = _all_reduce(torch.full((N,), float(c.rank + 1), device=c.dev))
     if not (y == WORLD * (WORLD + 1) / 2).all().item():
         raise AssertionError(f"sum {y[0].item()}")
@@ -112,7 +118,8 @@ def stage_capture_many(c):
             g.replay()
             ref = fwd(xs[b])
             if not torch.allclose(out, ref, rtol=1e-3, atol=1e-3):
-                raise AssertionError(f"batch {b} replay {i}: max diff {(out - ref).abs().max().item()}")
+                diff = (out - ref).abs().max().item()
+                raise AssertionError(f"batch {b} replay {i}: max diff {diff}")
 
 
 def stage_fresh_comm_capture(c):
@@ -181,21 +188,25 @@ def child(a):
 
 
 def parent(a):
-    header = [f"torch {torch.__version__} cuda {torch.version.cuda} devices {torch.cuda.device_count()}"]
+    header = [f"torch {torch.__version__} cuda {torch.version.cuda} "
+              f"devices {torch.cuda.device_count()}"]
     if torch.cuda.device_count() < WORLD or not dist.is_nccl_available():
         print(f"SKIP: nccl_graph_probe needs {WORLD} CUDA devices and NCCL ({header[0]})")
         return 0
-    env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_")))
+    env = sorted(f"{k}={v}" for k, v in os.environ.items()
+                 if k.startswith(("NCCL_", "TORCH_NCCL_")))
     header += [f"nccl {torch.cuda.nccl.version()} args {' '.join(sys.argv[1:]) or '(defaults)'}",
                "env " + (" ".join(env) or "(no NCCL_* / TORCH_NCCL_* set)")]
     print("\n".join(header), flush=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     lines, procs, readers = [], [], []
     for r in range(WORLD):
-        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--port", str(store.port),
-               "--stages", a.stages, "--stage-timeout", str(a.stage_timeout), "--replays", str(a.replays),
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r),
+               "--port", str(store.port), "--stages", a.stages,
+               "--stage-timeout", str(a.stage_timeout), "--replays", str(a.replays),
                "--capture-error-mode", a.capture_error_mode] + ["--eager-init"] * a.eager_init
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True,
                                       bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
 
         def read(p=procs[-1], r=r):
@@ -225,7 +236,8 @@ def parent(a):
         if v == "started":  # no verdict: killed at --timeout, or died (faulthandler exit, crash)
             status[r, s] = "killed (--timeout)" if killed else f"died rc={procs[r].returncode}"
     rows = [("stage", [f"rank {r}" for r in range(WORLD)])]
-    rows += [(s, [status.get((r, s), "-") for r in range(WORLD)]) for s in ["init"] + a.stages.split(",")]
+    rows += [(s, [status.get((r, s), "-") for r in range(WORLD)])
+             for s in ["init"] + a.stages.split(",")]
     table = [(f"{s:32}" + "".join(f"{v:42}" for v in vs)).rstrip() for s, vs in rows]
     table.append("exit codes " + " ".join(str(p.returncode) for p in procs) + " (killed)" * killed)
     print("\n".join(table), flush=True)
@@ -237,11 +249,15 @@ def parent(a):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
-    ap.add_argument("--stage-timeout", type=float, default=20.0, help="seconds per stage before HANG")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help="comma-separated, of: " + ", ".join(STAGES))
+    ap.add_argument("--stage-timeout", type=float, default=20.0,
+                    help="seconds per stage before HANG")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds for the whole run")
-    ap.add_argument("--eager-init", action="store_true", help="init_process_group(device_id=cuda:rank)")
-    ap.add_argument("--capture-error-mode", default="global", choices=["global", "thread_local", "relaxed"])
+    ap.add_argument("--eager-init", action="store_true",
+                    help="init_process_group(device_id=cuda:rank)")
+    ap.add_argument("--capture-error-mode", default="global",
+                    choices=["global", "thread_local", "relaxed"])
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # set for the child processes
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
