@@ -1,10 +1,15 @@
 """What rank 0 tells its follower ranks, as int64 tensors (no pickling).
 
-Every command starts with a fixed-size header broadcast from rank 0 on the control group:
+Every command is a fixed-size header and, for some commands, an int64 payload whose length the
+header gives:
 
     header [HEADER_LEN] int64 = [command, arg0, arg1, ...] (unused args are 0)
 
-and, for some commands, one int64 payload whose length the header gives:
+Rank 0 broadcasts them on the control group as one fixed-size message, [header | the first
+INLINE_PAYLOAD payload values, zero-padded], then the payload values past those, if any, as a
+second broadcast (`frame_command` / `receive_command` in rank_runner.py). A decode step's
+inputs fit the first message, so a step costs one broadcast (two cost ~2x as long over gloo).
+Commands:
 
     STEP       args (T, B, M, N, max_query_len, max_seq_len); payload = the ModelInputs packed
                as input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
@@ -34,6 +39,8 @@ from tandem.workers.engine.model_runner import ModelInputs
 from tandem.workers.ops.attention import AttentionMetadata
 
 HEADER_LEN = 8
+INLINE_PAYLOAD = 8184  # payload values in a command's first message (64 KiB in all)
+MESSAGE_LEN = HEADER_LEN + INLINE_PAYLOAD
 
 
 class Command(IntEnum):
@@ -87,6 +94,26 @@ def payload_length(header: torch.Tensor) -> int:
     return 0
 
 
+def frame_command(header: torch.Tensor, payload: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the first message [MESSAGE_LEN], the payload values that did not fit it or None)."""
+    message = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
+    message[:HEADER_LEN] = header
+    if payload is None or not payload.numel():
+        return message, None
+    inline = min(payload.numel(), INLINE_PAYLOAD)
+    message[HEADER_LEN:HEADER_LEN + inline] = payload[:inline]
+    return message, (payload[inline:].contiguous() if payload.numel() > inline else None)
+
+
+def split_message(message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A first message -> (header, its inline payload values, payload values still to come)."""
+    header = message[:HEADER_LEN]
+    length = payload_length(header)
+    inline = min(length, INLINE_PAYLOAD)
+    return header, message[HEADER_LEN:HEADER_LEN + inline], length - inline
+
+
 def packed_length(num_bytes: int) -> int:
     """int64 values that hold num_bytes bytes (pack_bytes)."""
     return -(-num_bytes // 8)
@@ -105,20 +132,21 @@ def unpack_bytes(values: torch.Tensor, num_bytes: int) -> bytes:
 
 def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
                   device: torch.device) -> ModelInputs:
-    """The inverse of `pack_inputs`, with tensors on `device` in the dtypes the runner uses."""
+    """The inverse of `pack_inputs`, with tensors on `device` in the dtypes the runner uses
+    (one host-to-device copy of the whole payload; the parts are views of it)."""
     num_tokens, num_seqs, max_blocks, num_logits, max_query_len, max_seq_len = \
         header[1:7].tolist()
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
              num_seqs * max_blocks, num_logits]
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-     logits_indices) = payload.split(sizes)
+     logits_indices) = payload.to(device).split(sizes)
+    host_query_start_loc, host_seq_lens = payload.split(sizes)[3:5]
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-        seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-        block_tables=block_tables.view(num_seqs, max_blocks).to(device=device,
-                                                                dtype=torch.int32),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        block_tables=block_tables.view(num_seqs, max_blocks).to(torch.int32),
         max_query_len=max_query_len, max_seq_len=max_seq_len,
-        query_start_loc_host=query_start_loc.tolist(), seq_lens_host=seq_lens.tolist())
-    return ModelInputs(input_ids.to(device), positions.to(device), meta,
-                       logits_indices.to(device))
+        query_start_loc_host=host_query_start_loc.tolist(),
+        seq_lens_host=host_seq_lens.tolist())
+    return ModelInputs(input_ids, positions, meta, logits_indices)

@@ -31,8 +31,9 @@ from tandem.workers.parallel.ipc_ranks import (RankIpcPeers, all_gather_bytes, f
 from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
                                                local_share, share_shape, split_joined,
                                                write_local_share)
-from tandem.workers.parallel.messages import (HEADER_LEN, Command, make_header, pack_bytes,
-                                              pack_inputs, payload_length, unpack_inputs)
+from tandem.workers.parallel.messages import (MESSAGE_LEN, Command, frame_command,
+                                              make_header, pack_bytes, pack_inputs,
+                                              split_message, unpack_inputs)
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
                                                    open_leader_store)
 
@@ -56,9 +57,10 @@ class RankGroup:
         self._is_stopped = False
 
     def send(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
-        dist.broadcast(header, 0, group=self.control_group)
-        if payload is not None and payload.numel():
-            dist.broadcast(payload, 0, group=self.control_group)
+        message, rest = frame_command(header, payload)
+        dist.broadcast(message, 0, group=self.control_group)
+        if rest is not None:
+            dist.broadcast(rest, 0, group=self.control_group)
 
     @contextmanager
     def fatal_on_error(self, what: str) -> Iterator[None]:
@@ -189,11 +191,8 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
     Raises (and the process should exit) when rank 0 goes away mid-collective."""
     ipc: RankIpcPeers | None = None  # made on the first cuda-ipc command
     while True:
-        header = _receive_header(control_group)
+        header, payload = receive_command(control_group)
         command = Command(int(header[0]))
-        payload = torch.empty(payload_length(header), dtype=torch.int64)
-        if payload.numel():
-            dist.broadcast(payload, 0, group=control_group)
         if command is Command.STOP:
             return
         if command is Command.STEP:
@@ -220,7 +219,7 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
 def num_kv_blocks_from_leader(control_group: ProcessGroup | None) -> int | None:
     """The first message a follower receives: how many KV blocks rank 0 allocated (None:
     rank 0 stopped before it finished loading)."""
-    header = _receive_header(control_group)
+    header, _ = receive_command(control_group)
     command = Command(int(header[0]))
     if command is Command.STOP:
         return None
@@ -229,7 +228,13 @@ def num_kv_blocks_from_leader(control_group: ProcessGroup | None) -> int | None:
     return int(header[1])
 
 
-def _receive_header(control_group: ProcessGroup | None) -> torch.Tensor:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, 0, group=control_group)
-    return header
+def receive_command(control_group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A follower's receipt of one command sent by RankGroup.send: (header, payload)."""
+    message = torch.empty(MESSAGE_LEN, dtype=torch.int64)
+    dist.broadcast(message, 0, group=control_group)
+    header, payload, still_to_come = split_message(message)
+    if still_to_come:
+        rest = torch.empty(still_to_come, dtype=torch.int64)
+        dist.broadcast(rest, 0, group=control_group)
+        payload = torch.cat([payload, rest])
+    return header, payload

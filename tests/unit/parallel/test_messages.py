@@ -32,3 +32,20 @@ def test_step_payload_length_matches_its_parts():
     parts = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * max_blocks, num_logits]
     assert payload_length(header) == sum(parts)
     assert header.dtype == torch.int64 and int(header[0]) == Command.STEP
+
+
+def test_a_command_travels_as_one_message_when_its_payload_fits():
+    from tandem.workers.parallel.messages import (INLINE_PAYLOAD, MESSAGE_LEN, frame_command,
+                                                  split_message)
+
+    for length in (0, 5, INLINE_PAYLOAD, INLINE_PAYLOAD + 3):
+        header = make_header(Command.GATHER_KV, length)
+        payload = torch.arange(length, dtype=torch.int64) + 100
+        message, rest = frame_command(header, payload)
+        assert message.shape == (MESSAGE_LEN,)
+        got_header, inline, still_to_come = split_message(message)
+        assert torch.equal(got_header, header)
+        assert still_to_come == (0 if rest is None else rest.numel())
+        whole = inline if rest is None else torch.cat([inline, rest])
+        assert torch.equal(whole, payload)
+        assert (rest is None) == (length <= INLINE_PAYLOAD)
