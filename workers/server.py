@@ -162,17 +162,17 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size
     nixl_agent = await _nixl_agent(args.kv_transfer, engine.runner.kv_caches, layout, tp_size)
-    transports = offered_transports(args.kv_transfer, device.type, tp_size,
+    transports = offered_transports(args.kv_transfer, device.type,
                                     nixl_ready=nixl_agent is not None)
-    follower_caches = []
+    rank_caches = None
     if tp_size > 1 and CUDA_IPC in transports:
         # Every rank compiles its gather and exports its cache (parallel/ipc_ranks.py).
-        follower_caches = await async_engine.call(lambda e: e.runner.setup_kv_ipc())
+        rank_caches = await async_engine.call(lambda e: e.runner.setup_kv_ipc())
     exporter = None
     if CUDA_IPC in transports:
         from tandem.workers.kv.cuda_ipc import CudaIpcExporter
 
-        exporter = CudaIpcExporter(engine.runner.kv_caches, layout, follower_caches)
+        exporter = CudaIpcExporter(engine.runner.kv_caches, layout, rank_caches)
     receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
                           tp_size, nixl_agent, engine=async_engine)
     logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))

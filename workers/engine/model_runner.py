@@ -7,7 +7,6 @@ policy.
 """
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass
 

@@ -2,7 +2,7 @@
 peer's cache, and copy blocks GPU to GPU (never through host memory).
 
     exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once (TP: rank 0, with
-                                                     # its followers' export_rank_cache)
+                                                     # every rank's export_rank_cache)
     exporter.export()                                # -> ExportKVCacheResponse
     peer = open_peer(response, local_device, rank)   # decode worker (every TP rank), once
                                                      # per peer export_id
@@ -116,21 +116,22 @@ def export_rank_cache(kv_caches: KVCaches) -> worker_pb2.CudaIpcCache:
 
 class CudaIpcExporter:
     """Prefill side: the IPC handles of the whole cache, made once and served to every peer.
-    Under TP, rank 0 exports its own cache and carries the followers' (`follower_caches`,
-    which each follower made with export_rank_cache), so ranks[r] is rank r's share."""
+    rank_caches: every TP rank's export_rank_cache in rank order (rank 0's runner gathers them:
+    setup_kv_ipc), so ranks[r] is rank r's share; None: this process's cache is the one rank."""
 
     def __init__(self, kv_caches: KVCaches, layout: KVLayout,
-                 follower_caches: list[worker_pb2.CudaIpcCache] = ()) -> None:
-        if 1 + len(follower_caches) != layout.tp_size:
-            raise ValueError(f"cuda-ipc export: {1 + len(follower_caches)} rank caches for a "
-                             f"layout of TP size {layout.tp_size}")
-        own = export_rank_cache(kv_caches)
+                 rank_caches: list[worker_pb2.CudaIpcCache] | None = None) -> None:
+        if rank_caches is None:
+            rank_caches = [export_rank_cache(kv_caches)]
+        if len(rank_caches) != layout.tp_size:
+            raise ValueError(f"cuda-ipc export: {len(rank_caches)} rank caches for a layout of "
+                             f"TP size {layout.tp_size}")
         self.layout = layout
         self.endpoint = worker_pb2.CudaIpcEndpoint(
-            host_id=host_id(), device_uuid=own.device_uuid, export_id=uuid.uuid4().hex)
+            host_id=host_id(), device_uuid=rank_caches[0].device_uuid,
+            export_id=uuid.uuid4().hex)
         self._response = worker_pb2.ExportKVCacheResponse(
-            endpoint=self.endpoint, layout=layout_to_proto(layout),
-            ranks=[own, *follower_caches])
+            endpoint=self.endpoint, layout=layout_to_proto(layout), ranks=rank_caches)
 
     def export(self) -> worker_pb2.ExportKVCacheResponse:
         return self._response

@@ -21,7 +21,6 @@ LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import grpc
@@ -73,8 +72,6 @@ class KVReceiver:
 
             self._host_id = cuda_ipc.host_id()
             self._local = cuda_ipc.flat_caches(kv_caches)
-            self._group_block_bytes = tp_size * sum(
-                math.prod(t.shape[1:]) * t.element_size() for t in self._local)
             if tp_size == 1:
                 from tandem.workers.kv.ipc_copies import CoalescedCopies
 
@@ -177,8 +174,10 @@ class KVReceiver:
         if failed:
             raise CudaIpcUnavailable(f"mapping the source's cache failed on rank(s) {failed} "
                                      f"(see their logs)")
+        every_rank_block_bytes = (self.layout.tp_size * self.layout.num_layers
+                                  * self.layout.bytes_per_layer_block)
         return _RankGroupPeer(response.endpoint.export_id, self._engine, slot,
-                              self._group_block_bytes,
+                              every_rank_block_bytes,
                               f"mapped on all {self.tp_size} ranks (slot {slot})")
 
     async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:

@@ -14,9 +14,9 @@ Prefill side: every handle offers "grpc"; it also offers
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
   grpc      always grpc.
   auto      cuda-ipc when the handle offers it, the source is on this host, this worker's cache
-            is on CUDA devices, and mapping the source's cache succeeds (on every rank); else nixl when the handle offers
-            it, this worker has a NIXL agent and loading the source's agent succeeds; otherwise
-            grpc, with one log line per peer.
+            is on CUDA devices, and mapping the source's cache succeeds (on every rank); else
+            nixl when the handle offers it, this worker has a NIXL agent and loading the
+            source's agent succeeds; otherwise grpc, with one log line per peer.
   cuda-ipc  as auto without nixl, but a handle that cannot go by cuda-ipc fails the request
             with the reason instead of falling back (a deployment that asked for it wants to
             know).
@@ -66,8 +66,7 @@ def nixl_wanted(mode: str, device_type: str, tp_size: int, nixl_installed: bool)
     return mode == AUTO and device_type == "cuda" and tp_size == 1 and nixl_installed
 
 
-def offered_transports(mode: str, device_type: str, tp_size: int,
-                       nixl_ready: bool = False) -> list[str]:
+def offered_transports(mode: str, device_type: str, nixl_ready: bool = False) -> list[str]:
     """What a prefill worker offers in its handles, preferred first, grpc last.
     nixl_ready: this worker has a NIXL agent over its cache."""
     offered = [CUDA_IPC] if cuda_ipc_possible(mode, device_type) else []

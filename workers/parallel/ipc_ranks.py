@@ -25,10 +25,11 @@ from torch.distributed import ProcessGroup
 
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
-from tandem.workers.parallel.messages import pack_bytes, packed_length, unpack_bytes
+from tandem.workers.kv import cuda_ipc
+from tandem.workers.kv.block_payload import KVCaches
+from tandem.workers.parallel.messages import Command, pack_bytes, packed_length, unpack_bytes
 
 logger = get_logger(__name__)
-KVCaches = list[tuple[torch.Tensor, ...]]
 
 
 class RankIpcPeers:
@@ -36,22 +37,19 @@ class RankIpcPeers:
     the source's cache of this rank's number into this rank's cache)."""
 
     def __init__(self, kv_caches: KVCaches, device: torch.device, rank: int) -> None:
-        from tandem.workers.kv import cuda_ipc
-
-        self._cuda_ipc = cuda_ipc
         self.local = cuda_ipc.flat_caches(kv_caches)
         self.kv_caches = kv_caches
         self.device = device
         self.rank = rank
         self._export: bytes | None = None
-        self._copiers: dict[int, object] = {}  # slot -> cuda_ipc.BlockCopier
+        self._copiers: dict[int, cuda_ipc.BlockCopier] = {}  # slot -> its copier
 
     def setup(self) -> bytes:
         """Compiles the gather (so no handoff compiles it) and exports this rank's cache, once
         per process (sharing a storage again would wrap its pointer again)."""
         if self._export is None:
-            self._cuda_ipc.BlockCopier(self.local, self.local).precompile()
-            self._export = self._cuda_ipc.export_rank_cache(self.kv_caches).SerializeToString()
+            cuda_ipc.BlockCopier(self.local, self.local).precompile()
+            self._export = cuda_ipc.export_rank_cache(self.kv_caches).SerializeToString()
         return self._export
 
     def map(self, slot: int, response: worker_pb2.ExportKVCacheResponse) -> bool:
@@ -59,9 +57,9 @@ class RankIpcPeers:
         there); False, logged, when CUDA refuses."""
         self._copiers.pop(slot, None)  # a stale mapping is never used again
         try:
-            peer = self._cuda_ipc.open_peer(response, self.device, self.rank)
-            self._copiers[slot] = self._cuda_ipc.BlockCopier(peer.caches, self.local)
-        except (self._cuda_ipc.CudaIpcUnavailable, ValueError) as exc:
+            peer = cuda_ipc.open_peer(response, self.device, self.rank)
+            self._copiers[slot] = cuda_ipc.BlockCopier(peer.caches, self.local)
+        except (cuda_ipc.CudaIpcUnavailable, ValueError) as exc:
             logger.warning("rank %d: cuda-ipc map of slot %d failed: %s", self.rank, slot, exc)
             return False
         return True
@@ -103,19 +101,19 @@ def failed_ranks(ok: bool, group: ProcessGroup | None) -> list[int]:
     return [rank for rank, flag in enumerate(flags) if int(flag)]
 
 
-def follow_ipc_command(ipc: RankIpcPeers, command: str, header: torch.Tensor,
+def follow_ipc_command(ipc: RankIpcPeers, command: Command, header: torch.Tensor,
                        payload: torch.Tensor, group: ProcessGroup | None) -> None:
-    """A follower's side of IPC_SETUP / IPC_MAP / IPC_COPY (command: the Command's name)."""
-    if command == "IPC_SETUP":
+    """A follower's side of IPC_SETUP / IPC_MAP / IPC_COPY."""
+    if command is Command.IPC_SETUP:
         all_gather_bytes(ipc.setup(), group)
-    elif command == "IPC_MAP":
+    elif command is Command.IPC_MAP:
         slot, num_bytes = int(header[1]), int(header[2])
         response = worker_pb2.ExportKVCacheResponse.FromString(unpack_bytes(payload,
                                                                             num_bytes))
         failed_ranks(ipc.map(slot, response), group)
-    elif command == "IPC_COPY":
+    elif command is Command.IPC_COPY:
         slot, num_blocks = int(header[1]), int(header[2])
         ids = payload.tolist()
         failed_ranks(ipc.copy(slot, ids[:num_blocks], ids[num_blocks:]), group)
     else:
-        raise ValueError(f"not a cuda-ipc command: {command}")
+        raise ValueError(f"not a cuda-ipc command: {command.name}")

@@ -153,12 +153,12 @@ class LeaderRunner:
         write_local_share(self.kv_caches, block_ids, mine)
 
     def setup_kv_ipc(self) -> list[worker_pb2.CudaIpcCache]:
-        """Readies cuda-ipc on every rank (ipc_ranks.py); returns the followers' cache
-        exports in rank order. Engine thread only."""
+        """Readies cuda-ipc on every rank (ipc_ranks.py); returns every rank's cache export in
+        rank order (CudaIpcExporter's rank_caches). Engine thread only."""
         with self.group.fatal_on_error("cuda-ipc setup"):
             self.group.send(make_header(Command.IPC_SETUP))
             exports = all_gather_bytes(self._ipc_peers().setup(), self.group.control_group)
-        return [worker_pb2.CudaIpcCache.FromString(data) for data in exports[1:]]
+        return [worker_pb2.CudaIpcCache.FromString(data) for data in exports]
 
     def map_kv_peer(self, slot: int, response: worker_pb2.ExportKVCacheResponse) -> list[int]:
         """Every rank r maps the source's rank r cache under `slot`; returns the ranks where
@@ -211,7 +211,7 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
             write_local_share(runner.kv_caches, block_ids, mine)
         elif command in (Command.IPC_SETUP, Command.IPC_MAP, Command.IPC_COPY):
             ipc = ipc or RankIpcPeers(runner.kv_caches, device, dist.get_rank())
-            follow_ipc_command(ipc, command.name, header, payload, control_group)
+            follow_ipc_command(ipc, command, header, payload, control_group)
         else:
             raise RuntimeError(f"unexpected command {command.name}")
 

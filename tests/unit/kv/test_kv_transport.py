@@ -41,16 +41,15 @@ def test_check_kv_transfer(mode, device, tp, error):
 
 
 def test_offered_transports():
-    assert offered_transports("auto", "cuda", 1) == [CUDA_IPC, GRPC]
-    assert offered_transports("cuda-ipc", "cuda", 1) == [CUDA_IPC, GRPC]
-    assert offered_transports("grpc", "cuda", 1) == [GRPC]
-    assert offered_transports("auto", "cpu", 1) == [GRPC]
-    assert offered_transports("auto", "cuda", 2) == [CUDA_IPC, GRPC]
-    assert offered_transports("auto", "cuda", 1, nixl_ready=True) == [CUDA_IPC, NIXL, GRPC]
-    assert offered_transports("nixl", "cuda", 1, nixl_ready=True) == [NIXL, GRPC]
-    assert offered_transports("nixl", "cpu", 1, nixl_ready=True) == [NIXL, GRPC]
-    assert offered_transports("grpc", "cuda", 1, nixl_ready=True) == [GRPC]
-    assert offered_transports("cuda-ipc", "cuda", 1, nixl_ready=True) == [CUDA_IPC, GRPC]
+    assert offered_transports("auto", "cuda") == [CUDA_IPC, GRPC]
+    assert offered_transports("cuda-ipc", "cuda") == [CUDA_IPC, GRPC]
+    assert offered_transports("grpc", "cuda") == [GRPC]
+    assert offered_transports("auto", "cpu") == [GRPC]
+    assert offered_transports("auto", "cuda", nixl_ready=True) == [CUDA_IPC, NIXL, GRPC]
+    assert offered_transports("nixl", "cuda", nixl_ready=True) == [NIXL, GRPC]
+    assert offered_transports("nixl", "cpu", nixl_ready=True) == [NIXL, GRPC]
+    assert offered_transports("grpc", "cuda", nixl_ready=True) == [GRPC]
+    assert offered_transports("cuda-ipc", "cuda", nixl_ready=True) == [CUDA_IPC, GRPC]
 
 
 @pytest.mark.parametrize("mode,device,tp,installed,wanted", [

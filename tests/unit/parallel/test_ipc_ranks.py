@@ -49,9 +49,10 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
             results["map"] = failed_ranks(ipc.map(3, export), None)
             results["copy"] = failed_ranks(ipc.copy(3, [0, 1], [1, 0]), None)
         else:  # the follower's side, from the header and payload as the control channel has them
-            follow_ipc_command(ipc, "IPC_MAP", make_header(Command.IPC_MAP, 3, len(data)),
+            follow_ipc_command(ipc, Command.IPC_MAP, make_header(Command.IPC_MAP, 3, len(data)),
                                pack_bytes(data), None)
-            follow_ipc_command(ipc, "IPC_COPY", make_header(Command.IPC_COPY, 3, 2), ids, None)
+            follow_ipc_command(ipc, Command.IPC_COPY, make_header(Command.IPC_COPY, 3, 2), ids,
+                               None)
         results["after"] = failed_ranks(True, None)  # still in step
         with open(out_path, "w") as f:
             json.dump(results, f)
