@@ -110,37 +110,13 @@ def anatomy(context: int, copy_bps: float, block_n: int = 64) -> list[tuple[str,
     return [(name, seconds, kv_bytes / seconds / copy_bps) for name, seconds in rows]
 
 
-def overlap_rows(context: int, copy_bps: float) -> list[tuple[str, float, float]]:
-    """Split count x tile x warps, with the combine letting the next call launch before its
-    own wait (so the next call's first-tile reads overlap this call's split pass) or not."""
-    inputs = decode_attention_inputs(1, context)
-    q, caches, table, seq_lens = inputs.q, inputs.caches, inputs.tables, inputs.seq_lens
-    rows = []
-    for splits, tile, warps, l2, first in (
-            (32, 64, 4, False, False), (32, 64, 4, False, True), (32, 64, 4, True, False),
-            (32, 64, 4, True, True), (16, 64, 4, True, True), (16, 64, 4, True, False),
-            (8, 64, 4, True, True), (16, 128, 8, True, True), (16, 64, 8, True, True),
-            (32, 32, 4, True, True), (64, 32, 4, True, True)):
-        seconds = time_graphed(lambda i: paged_decode_attention(
-            q, *caches[i % len(caches)], table, seq_lens, 128 ** -0.5, num_splits=splits,
-            block_n=tile, num_warps=warps, prefetch_l2=l2, launch_next_first=first))
-        rows.append((f"{splits} splits, {tile}-key tiles, {warps} warps"
-                     + (", later tiles to L2" if l2 else "")
-                     + (", next launches first" if first else ""), seconds,
-                     inputs.kv_bytes / seconds / copy_bps))
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--overlap", action="store_true",
-                        help="only the launch-overlap sweep (overlap_rows)")
     args = parser.parse_args()
     limits = measure_limits()
     print(f"{limits.name}: copy {limits.copy_bytes_per_s / 1e12:.2f} TB/s")
-    sweep = overlap_rows if args.overlap else anatomy
-    for name, seconds, fraction in sweep(args.context, limits.copy_bytes_per_s):
+    for name, seconds, fraction in anatomy(args.context, limits.copy_bytes_per_s):
         print(f"  {name:<46} {seconds * 1e6:7.2f} us  {fraction:5.0%} of copy BW")
 
 

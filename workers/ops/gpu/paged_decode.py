@@ -35,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.gpu.pdl import (launch_next_then_wait, pdl_enabled,
-                                        wait_for_previous_kernel)
+from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 
 @triton.jit
@@ -67,18 +66,6 @@ def _attend_tile(q, k, v, mask_n, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows_to_l2(rows, ROW_BYTES: tl.constexpr):
-    """Ask for each row (a pointer per element, ROW_BYTES contiguous, 16-byte aligned) to be
-    brought into L2 (sm90's bulk prefetch): no registers held, no result. L2 is the point of
-    coherence on one GPU, so a later load after the PDL wait still sees any store that races
-    with the prefetch."""
-    size = tl.full(rows.shape, ROW_BYTES, tl.int32)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [rows, size],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_split_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         part_out_ptr, part_lse_ptr, scale, num_splits,
@@ -89,7 +76,7 @@ def _decode_split_kernel(
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         SLIDING_WINDOW: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, PREFETCH_L2: tl.constexpr, ROW_BYTES: tl.constexpr):
+        PREFETCH: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,16 +109,6 @@ def _decode_split_kernel(
         old = (mask_n & (pos < seq_len - 1))[:, None] & mask_d[None, :]
         k = tl.load(k_ptrs, mask=old, other=0.0)
         v = tl.load(v_ptrs, mask=old, other=0.0)
-    if PREFETCH_L2:  # the later tiles' rows into L2 while the previous kernels finish
-        for start in range(lo + BLOCK_N, hi, BLOCK_N):
-            ahead = start + tl.arange(0, BLOCK_N)
-            inside = ahead < hi
-            ids = tl.load(table + ahead // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
-            slot = ahead % BLOCK_SIZE
-            k_rows = ids * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
-            v_rows = ids * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-            _prefetch_rows_to_l2(k_cache_ptr + tl.where(inside, k_rows, 0), ROW_BYTES)
-            _prefetch_rows_to_l2(v_cache_ptr + tl.where(inside, v_rows, 0), ROW_BYTES)
     wait_for_previous_kernel(USE_PDL)  # q and this step's KV come from the previous kernels
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -183,14 +160,10 @@ def _decode_split_kernel(
 def _combine_splits_kernel(
         part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
-        LAUNCH_NEXT_FIRST: tl.constexpr):
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if LAUNCH_NEXT_FIRST:
-        launch_next_then_wait(USE_PDL)
-    else:
-        wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.program_id(2) * CHUNK_D + tl.arange(0, CHUNK_D)
@@ -213,7 +186,7 @@ def _combine_splits_kernel(
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   sinks: torch.Tensor | None = None, launch_next_first: bool = False) -> None:
+                   sinks: torch.Tensor | None = None) -> None:
     """out[b, h] = the softmax-weighted sum of the splits' partial outputs (module docstring).
 
     part_out [B, H, S, D_pad] fp32, part_lse [B, H, S] fp32 (contiguous), out [B, H, D] with a
@@ -227,7 +200,7 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
         out.stride(0), out.stride(1), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=width_pad,
         NUM_SPLITS=num_splits, CHUNK_D=chunk, HAS_SINKS=sinks is not None,
         USE_PDL=pdl_enabled(out.device), launch_pdl=pdl_enabled(out.device),
-        LAUNCH_NEXT_FIRST=launch_next_first, num_warps=4 if chunk >= 128 else 1)
+        num_warps=4 if chunk >= 128 else 1)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -250,8 +223,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int | None = None,
-                           prefetch: bool = True, prefetch_l2: bool = False,
-                           launch_next_first: bool = False) -> torch.Tensor:
+                           prefetch: bool = True) -> torch.Tensor:
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
@@ -278,7 +250,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     pdl = pdl_enabled(q.device)
-    row_bytes = head_dim * k_cache.element_size()
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale, num_splits,
         q.stride(0), q.stride(1),
@@ -289,8 +260,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         SLIDING_WINDOW=sliding_window or 0,
         IEEE=q.dtype == torch.float32, USE_PDL=pdl, launch_pdl=pdl,
-        PREFETCH=prefetch, PREFETCH_L2=prefetch_l2 and pdl and row_bytes % 16 == 0,
-        ROW_BYTES=row_bytes, num_warps=num_warps, num_stages=num_stages)
-    combine_splits(part_out, part_lse, out, sinks, launch_next_first)
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
+    combine_splits(part_out, part_lse, out, sinks)
     return out
 

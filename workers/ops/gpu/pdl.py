@@ -43,15 +43,3 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def launch_next_then_wait(USE_PDL: tl.constexpr):
-    """Let the next kernel launch now, then wait for the previous one. Safe whenever the next
-    kernel waits before it reads or writes (the invariant above): its programs only get
-    resident early and start on what they may read before their own wait. It cannot
-    deadlock, since a grid launches only once every program of the one before it has started
-    (so no running grid is ever left waiting for slots)."""
-    if USE_PDL:
-        gdc_launch_dependents()
-        gdc_wait()
