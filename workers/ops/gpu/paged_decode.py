@@ -22,7 +22,12 @@ the newest, which is the only row of the sequence the previous kernel (RoPE + KV
 writes; the newest row is loaded after the wait. The KV read then overlaps the previous
 kernel's tail: 12.2-12.5 vs 13.1-13.5 us at 1 x 4k on an H100 in three runs. Also tried and
 dropped (same log): the later tiles prefetched into L2 with PTX prefetch.global.L2 (slower),
-and the combine letting the next kernel launch before its own wait (within noise).
+and the combine letting the next kernel launch before its own wait (within noise). Session 9
+tried both again (commit 9e9b1ba, attention-overlap-h100-s9.log): the combine letting the next
+call launch first gives 12.0 vs 12.2 us at 1 x 4k (8.97 -> 7.05 us at 1 x 1k, 33.0 -> 30.2 us
+at 1 x 16k) but no better model step (1x1k 5.72 vs 5.65 ms); the later tiles bulk-prefetched
+into L2 (cp.async.bulk.prefetch) before the wait, 11.7 us with it and 13.1 us without, 42 vs
+33 us at 16k. Neither reaches 60% (9.5 us); both were reverted.
 
 Everything the kernels read about the batch lives on the device (seq_lens, block_tables), and
 the grid depends only on the batch size: a launch can be captured in a CUDA graph and replayed
