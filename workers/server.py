@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
     p.add_argument("--kv-transfer", default="auto", choices=KV_TRANSFER_MODES,
                    help="how prompt KV moves between workers: auto (cuda-ipc, GPU to GPU, "
-                        "between one-rank CUDA workers on one host; else nixl between "
-                        "one-rank CUDA workers when nixl is installed; else grpc) | grpc | "
+                        "between CUDA workers on one host; else nixl between CUDA workers "
+                        "when nixl is installed; else grpc) | grpc | "
                         "cuda-ipc | nixl (required: a handle that cannot use it fails; nixl "
                         "needs the tandem[nixl] extra, and works on CPU caches too)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -119,8 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     config = engine_config(args)
     # Before loading the model: refuse what cannot work whatever "auto" resolves to.
-    check_kv_transfer(args.kv_transfer, "cpu" if args.device == "cpu" else "cuda",
-                      args.tensor_parallel_size)
+    check_kv_transfer(args.kv_transfer, "cpu" if args.device == "cpu" else "cuda")
     if args.kv_transfer == NIXL and not nixl_backend.is_installed():
         raise ValueError("--kv-transfer nixl needs NIXL: pip install 'tandem[nixl]'")
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
@@ -161,7 +160,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     peers = PeerChannels(tls)
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size
-    nixl_agent = await _nixl_agent(args.kv_transfer, engine.runner.kv_caches, layout, tp_size)
+    nixl_agent = await _nixl_agent(args.kv_transfer, async_engine, layout)
     transports = offered_transports(args.kv_transfer, device.type,
                                     nixl_ready=nixl_agent is not None)
     rank_caches = None
@@ -234,14 +233,20 @@ def _exit_without_teardown(engine) -> None:
     os._exit(LOST_FOLLOWER_EXIT_CODE)
 
 
-async def _nixl_agent(mode: str, kv_caches, layout: KVLayout, tp_size: int):
-    """This worker's NIXL agent over its cache, or None (transport.py says when). In nixl mode
-    a failure stops the worker (ValueError); in auto it is logged and nixl is not offered."""
-    device_type = kv_caches[0][0].device.type
-    if not nixl_wanted(mode, device_type, tp_size, nixl_backend.is_installed()):
+async def _nixl_agent(mode: str, async_engine: AsyncEngine, layout: KVLayout):
+    """This worker's NIXL agent over its cache (TP: a nixl_ranks.RankGroupNixl, an agent per
+    rank), or None (transport.py says when). In nixl mode a failure stops the worker
+    (ValueError); in auto it is logged and nixl is not offered."""
+    runner = async_engine.engine.runner
+    device_type = runner.kv_caches[0][0].device.type
+    if not nixl_wanted(mode, device_type, nixl_backend.is_installed()):
         return None
     try:
-        return await asyncio.to_thread(nixl_backend.NixlKVAgent, kv_caches, layout)
+        if layout.tp_size > 1:
+            from tandem.workers.parallel.nixl_ranks import RankGroupNixl
+
+            return await RankGroupNixl.start(async_engine, layout)
+        return await asyncio.to_thread(nixl_backend.NixlKVAgent, runner.kv_caches, layout)
     except (nixl_backend.NixlUnavailable, ValueError) as exc:
         if mode == NIXL:
             raise ValueError(f"--kv-transfer nixl: {exc}") from exc

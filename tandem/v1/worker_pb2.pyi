@@ -304,18 +304,20 @@ class ExportNixlAgentRequest(_message.Message):
     def __init__(self, expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class ExportNixlAgentResponse(_message.Message):
-    __slots__ = ("endpoint", "layout", "agent_metadata", "mem_type", "tensors")
+    __slots__ = ("endpoint", "layout", "agent_metadata", "mem_type", "tensors", "ranks")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     endpoint: NixlEndpoint
     layout: KVLayout
     agent_metadata: bytes
     mem_type: str
     tensors: _containers.RepeatedCompositeFieldContainer[NixlTensor]
-    def __init__(self, endpoint: _Optional[_Union[NixlEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[ExportNixlAgentResponse]
+    def __init__(self, endpoint: _Optional[_Union[NixlEndpoint, _Mapping]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[NixlTensor, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[ExportNixlAgentResponse, _Mapping]]] = ...) -> None: ...
 
 class NixlTensor(_message.Message):
     __slots__ = ("base_address", "block_stride_bytes", "block_bytes", "num_blocks", "device_id")

@@ -120,3 +120,24 @@ def test_a_vanished_prefill_worker_fails_the_decode_unavailable_without_leaking(
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"KV pull from {prefill.address} failed" in info.value.details()
     assert _wait_idle(decode).num_free_blocks == free_before
+
+
+def test_tp2_workers_hand_kv_off_rank_to_rank_over_nixl(checkpoint, tmp_path):
+    """TP=2 prefill -> TP=2 decode with --kv-transfer nixl: every rank has its own agent and
+    READs its KV head from the source's rank of the same number (parallel/nixl_ranks.py); the
+    tokens equal transformers' and both workers end with no KV block in use."""
+    ckpt = checkpoint("llama")  # 2 KV heads: one per rank
+    stack = start_stack(ckpt.path, tmp_path, worker_args=[
+        "--kv-transfer", "nixl", "--tensor-parallel-size", "2", "--kv-lease-seconds", "5"])
+    try:
+        for prompt in ([(5 * i) % 300 + 2 for i in range(70)], list(range(40, 57))):
+            result = generate(stack.router.address, request(prompt, max_tokens=12))
+            assert result.token_ids == ckpt.greedy(prompt, 12)
+        for worker in stack.workers.values():
+            _wait_idle(worker.address)
+        log = stack.workers["decode-0"].log_path.read_text()
+        assert "over nixl: loaded agent tandem-" in log and "on all 2 ranks" in log
+        assert "over grpc" not in log
+        assert "offering nixl, grpc" in stack.workers["prefill-0"].log_path.read_text()
+    finally:
+        stop(stack.processes)

@@ -30,7 +30,8 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         self.layout = layout
         self.blocks = blocks
         self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
-        self.nixl_agent = nixl_agent  # a nixl_backend.NixlKVAgent when nixl is offered
+        # a nixl_backend.NixlKVAgent (TP: a nixl_ranks.RankGroupNixl) when nixl is offered
+        self.nixl_agent = nixl_agent
 
     async def _check_layout(self, request, context) -> None:
         """Refuses (FAILED_PRECONDITION) a receiver whose expected layout ours cannot fill."""
@@ -73,8 +74,8 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         await self._check_layout(request, context)
         if self.exporter is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this worker does not offer cuda-ipc (--kv-transfer grpc, no "
-                                "CUDA device, or TP > 1)")
+                                "this worker does not offer cuda-ipc (--kv-transfer grpc or "
+                                "nixl, or no CUDA device)")
         return self.exporter.export()
 
     async def ExportNixlAgent(self, request, context):
@@ -82,8 +83,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         if self.nixl_agent is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker does not offer nixl (--kv-transfer grpc or "
-                                "cuda-ipc, nixl not installed, a CPU cache under auto, or "
-                                "TP > 1)")
+                                "cuda-ipc, nixl not installed, or a CPU cache under auto)")
         return self.nixl_agent.export()
 
     async def LeaseKV(self, request, context):

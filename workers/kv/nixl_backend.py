@@ -6,6 +6,7 @@ one host), from host ("DRAM") and GPU ("VRAM") caches alike.
     agent.export()                                # prefill: -> ExportNixlAgentResponse (cached)
     peer = agent.add_peer(response)               # decode: once per peer export_id
     num_bytes = await agent.read_blocks(peer, src_ids, dst_ids, timeout)  # per handle
+    num_bytes = agent.read_blocks_blocking(...)   # the same on a TP rank's command loop
     agent.remove_peer(peer)                       # the peer restarted (new export_id)
 
 Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
@@ -53,6 +54,7 @@ __all__ = ["NixlKVAgent", "NixlPeer", "NixlUnavailable", "TensorBlocks", "block_
            "descriptor_rows", "is_installed", "registration_regions"]
 logger = get_logger(__name__)
 MAX_POLL_SECONDS = 0.002  # longest sleep between two checks of a posted READ
+_DRAIN_STREAM = object()  # what _read_steps yields to have the device's stream drained first
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class NixlPeer:
     export_id: str
     mem_type: str
     tensors: list[TensorBlocks]  # layer-major, as cuda_ipc.flat_caches
+    slot: int = -1  # a TP worker's: where its ranks keep the source (parallel/nixl_ranks.py)
 
 
 def tensor_blocks(tensor: torch.Tensor) -> TensorBlocks:
@@ -211,7 +214,41 @@ class NixlKVAgent:
                           timeout: float) -> int:
         """Local block dst_ids[i] of every cache tensor <- the peer's block src_ids[i], by one
         NIXL READ; returns the bytes read once it completed. Raises ValueError on bad ids and
-        KVTransferFailed when the READ fails or outlasts `timeout` seconds (then cancelled)."""
+        KVTransferFailed when the READ fails or outlasts `timeout` seconds (then cancelled).
+        Waits on the event loop (its thread makes every NIXL call)."""
+        steps = self._read_steps(peer, src_ids, dst_ids, timeout)
+        try:
+            while True:
+                pause = next(steps)
+                if pause is _DRAIN_STREAM:
+                    await asyncio.to_thread(torch.cuda.current_stream(self.device).synchronize)
+                else:
+                    await asyncio.sleep(pause)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()  # cancelled mid-READ: the generator's finally cancels the transfer
+
+    def read_blocks_blocking(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                             timeout: float) -> int:
+        """read_blocks for a thread without an event loop (a TP rank's command loop)."""
+        steps = self._read_steps(peer, src_ids, dst_ids, timeout)
+        try:
+            while True:
+                pause = next(steps)
+                if pause is _DRAIN_STREAM:
+                    torch.cuda.current_stream(self.device).synchronize()
+                else:
+                    time.sleep(pause)
+        except StopIteration as done:
+            return done.value
+        finally:
+            steps.close()
+
+    def _read_steps(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                    timeout: float):
+        """The READ as a generator: it yields _DRAIN_STREAM (wait for this device's queued
+        kernels) or seconds to pause between polls, and returns the bytes read."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"nixl: {len(src_ids)} source blocks for {len(dst_ids)} "
                              f"destination blocks")
@@ -225,7 +262,7 @@ class NixlKVAgent:
         remote_rows = descriptor_rows(peer.tensors, runs[:, 0], runs[:, 2])
         local_rows = descriptor_rows(self.tensors, runs[:, 1], runs[:, 2])
         if self.device.type == "cuda":  # kernels queued before the blocks were reserved
-            await asyncio.to_thread(torch.cuda.current_stream(self.device).synchronize)
+            yield _DRAIN_STREAM
         what = (f"NIXL READ of {len(src_ids)} blocks ({len(local_rows)} descriptors) from "
                 f"agent {peer.agent_name}")
         deadline = time.monotonic() + timeout
@@ -238,7 +275,7 @@ class NixlKVAgent:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     raise KVTransferFailed(f"{what}: not done after {timeout:.1f} s")
-                await asyncio.sleep(delay)
+                yield delay
                 delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
                 with self._on_device():
                     state = self._agent.state(xfer)

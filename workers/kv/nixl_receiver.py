@@ -1,12 +1,13 @@
 """Decode side of the nixl backend: per source, its NIXL agent loaded once; per handle, the
 lease and one READ.
 
-    nixl = NixlReceiver(agent, layout, mode)       # worker start-up, with its NixlKVAgent
+    nixl = NixlReceiver(reads, layout, mode)       # worker start-up: OneRankReads(agent), or
+                                                   # a TP worker's nixl_ranks.RankGroupNixl
     num_bytes, failure = await nixl.pull(channel, address, handle, block_ids, start_block,
                                          timeout)  # failure: why nixl cannot serve this peer
 
 Per peer (source address): ExportNixlAgent once, load the source's agent once
-(NixlKVAgent.add_peer), reuse it for every handle whose nixl.export_id matches; a new export_id
+(`reads.load_peer`: on every rank of a TP worker), reuse it for every handle whose nixl.export_id matches; a new export_id
 (the source restarted) unloads the old agent first, so nothing is ever read through a dead
 process's addresses. A peer whose agent did not load is not tried again until its export_id
 changes (pull returns the failure; auto mode then goes by grpc).
@@ -30,9 +31,27 @@ from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailabl
 logger = get_logger(__name__)
 
 
-class NixlReceiver:
-    def __init__(self, agent: NixlKVAgent, layout: KVLayout, mode: str) -> None:
+class OneRankReads:
+    """What NixlReceiver calls, for a one-rank worker: its own agent, on the event loop.
+    (A TP worker's equivalent, parallel/nixl_ranks.RankGroupNixl, runs them on every rank.)"""
+
+    def __init__(self, agent: NixlKVAgent) -> None:
         self.agent = agent
+
+    async def load_peer(self, response: worker_pb2.ExportNixlAgentResponse) -> NixlPeer:
+        return self.agent.add_peer(response)
+
+    async def unload_peer(self, peer: NixlPeer) -> None:
+        self.agent.remove_peer(peer)
+
+    async def read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                   timeout: float) -> int:
+        return await self.agent.read_blocks(peer, src_ids, dst_ids, timeout)
+
+
+class NixlReceiver:
+    def __init__(self, reads, layout: KVLayout, mode: str) -> None:
+        self.reads = reads  # OneRankReads or nixl_ranks.RankGroupNixl
         self.layout = layout
         self.mode = mode
         self._peers: dict[str, NixlPeer] = {}  # address -> its loaded agent
@@ -72,7 +91,7 @@ class NixlReceiver:
         if self._failed.get(address) == export_id:
             return None, "loading its NIXL agent failed before"
         if peer is not None:  # stale: the source restarted; never read through old metadata
-            self.agent.remove_peer(self._peers.pop(address))
+            await self.reads.unload_peer(self._peers.pop(address))
         response = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
             worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
             timeout=timeout)
@@ -81,15 +100,16 @@ class NixlReceiver:
                              f"{response.endpoint.export_id}, the handle names {export_id}: "
                              f"it restarted in between")
         try:
-            peer = self.agent.add_peer(response)
+            peer = await self.reads.load_peer(response)
         except NixlUnavailable as exc:
             self._failed[address] = export_id
             log = logger.error if self.mode == transport.NIXL else logger.warning
             log("KV from %s: nixl unavailable (%s)%s", address, exc,
                 "" if self.mode == transport.NIXL else "; falling back to grpc")
             return None, str(exc)
-        logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors)", address,
-                    peer.agent_name, len(peer.tensors), peer.mem_type)
+        logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors%s)", address,
+                    peer.agent_name, len(peer.tensors), peer.mem_type,
+                    f", on all {len(response.ranks)} ranks" if response.ranks else "")
         self._peers[address] = peer
         return peer, None
 
@@ -108,7 +128,7 @@ class NixlReceiver:
         budget = lease.lease_seconds - (time.monotonic() - started)
         if timeout is not None:
             budget = min(budget, timeout - (time.monotonic() - started))
-        num_bytes = await self.agent.read_blocks(peer, src_ids, list(block_ids), budget)
+        num_bytes = await self.reads.read(peer, src_ids, list(block_ids), budget)
         if time.monotonic() - started >= lease.lease_seconds:
             raise ValueError(f"KV handle {handle.handle_id}: the NIXL READ from {address} "
                              f"outlasted the {lease.lease_seconds:.0f} s lease; the blocks may "

@@ -16,7 +16,8 @@ a TP group maps it on every rank through the engine thread (engine.runner.map_kv
 per source) and every rank copies its heads (copy_kv_from_peer; parallel/ipc_ranks.py).
 
 nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
-LeaseKV and one NIXL READ); a source whose agent did not load gets grpc in auto mode.
+LeaseKV and one NIXL READ; a TP group loads and READs on every rank, parallel/nixl_ranks.py);
+a source whose agent did not load gets grpc in auto mode.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class KVReceiver:
                  device: torch.device, tp_size: int, nixl_agent=None, engine=None) -> None:
         """engine: the AsyncEngine, needed when tp_size > 1 (its runner drives the ranks'
         cuda-ipc copies; the worker has called its setup_kv_ipc at start-up)."""
-        transport.check_kv_transfer(mode, device.type, tp_size)
+        transport.check_kv_transfer(mode, device.type)
         self.mode = mode
         self.layout = layout
         self.blocks = blocks
@@ -63,10 +64,11 @@ class KVReceiver:
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
         self.nixl = None  # a nixl_receiver.NixlReceiver when this worker has a NIXL agent
-        if nixl_agent is not None:
-            from tandem.workers.kv.nixl_receiver import NixlReceiver
+        if nixl_agent is not None:  # TP: a parallel/nixl_ranks.RankGroupNixl
+            from tandem.workers.kv.nixl_receiver import NixlReceiver, OneRankReads
 
-            self.nixl = NixlReceiver(nixl_agent, layout, mode)
+            reads = OneRankReads(nixl_agent) if tp_size == 1 else nixl_agent
+            self.nixl = NixlReceiver(reads, layout, mode)
         if transport.cuda_ipc_possible(mode, device.type):
             from tandem.workers.kv import cuda_ipc
 

@@ -7,9 +7,10 @@ Prefill side: every handle offers "grpc"; it also offers
              parallel/ipc_ranks.py);
   "nixl"     (with the NIXL agent's name and export id in KVHandle.nixl) when this worker
              created a NIXL agent over its cache: always in nixl mode, and in auto mode when
-             nixl is installed, the cache is on a CUDA device and the worker runs one rank.
-             auto leaves CPU workers on grpc: a host cache gains little from NIXL, and the
-             default CPU path stays the one every test exercises.
+             nixl is installed and the cache is on a CUDA device. Under TP every rank has an
+             agent over its heads (rank r of the receiver READs from rank r of the source:
+             parallel/nixl_ranks.py). auto leaves CPU workers on grpc: a host cache gains
+             little from NIXL, and the default CPU path stays the one every test exercises.
 
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
   grpc      always grpc.
@@ -43,27 +44,24 @@ class KVTransferFailed(RuntimeError):
     hold unknown bytes."""
 
 
-def check_kv_transfer(mode: str, device_type: str, tp_size: int) -> None:
-    """Validates `--kv-transfer` against the worker's device and TP size (ValueError)."""
+def check_kv_transfer(mode: str, device_type: str) -> None:
+    """Validates `--kv-transfer` against the worker's device (ValueError)."""
     if mode not in KV_TRANSFER_MODES:
         raise ValueError(f"--kv-transfer {mode!r} is not one of {', '.join(KV_TRANSFER_MODES)}")
     if mode == CUDA_IPC and device_type != "cuda":
         raise ValueError(f"--kv-transfer cuda-ipc needs the KV cache on a CUDA device, not "
                          f"{device_type!r} (use auto or grpc)")
-    if mode == NIXL and tp_size != 1:
-        raise ValueError(f"--kv-transfer nixl needs --tensor-parallel-size 1 (got {tp_size}); "
-                         f"TP workers hand KV off over cuda-ipc (one host) or grpc")
 
 
 def cuda_ipc_possible(mode: str, device_type: str) -> bool:
     return mode in (AUTO, CUDA_IPC) and device_type == "cuda"
 
 
-def nixl_wanted(mode: str, device_type: str, tp_size: int, nixl_installed: bool) -> bool:
-    """Whether this worker should create a NIXL agent over its cache (module docstring)."""
+def nixl_wanted(mode: str, device_type: str, nixl_installed: bool) -> bool:
+    """Whether this worker should create NIXL agents over its cache (module docstring)."""
     if mode == NIXL:
         return True
-    return mode == AUTO and device_type == "cuda" and tp_size == 1 and nixl_installed
+    return mode == AUTO and device_type == "cuda" and nixl_installed
 
 
 def offered_transports(mode: str, device_type: str, nixl_ready: bool = False) -> list[str]:

@@ -28,6 +28,13 @@ Commands:
     CAPTURE_GRAPHS args (max_model_len, n); payload = n decode batch sizes: every rank captures
                its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
                collectives of their warm-up passes and captures pair up
+    NIXL_SETUP args (num_bytes,); payload = the worker's KVLayout as bytes: every rank creates
+               its NIXL agent and sends rank 0 its export (parallel/nixl_ranks.py)
+    NIXL_LOAD  args (slot, num_bytes); payload = a source's ExportNixlAgentResponse as bytes:
+               rank r loads the source's ranks[r] agent under `slot`
+    NIXL_READ  args (slot, num_blocks, timeout_ms); payload = source block ids then
+               destination block ids: every rank READs its share from the source `slot`
+    NIXL_UNLOAD args (slot,): every rank drops the source loaded under `slot`
 """
 from __future__ import annotations
 
@@ -53,6 +60,10 @@ class Command(IntEnum):
     IPC_MAP = 7
     IPC_COPY = 8
     CAPTURE_GRAPHS = 9
+    NIXL_SETUP = 10
+    NIXL_LOAD = 11
+    NIXL_READ = 12
+    NIXL_UNLOAD = 13
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -85,9 +96,11 @@ def payload_length(header: torch.Tensor) -> int:
         return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
     if command in (Command.GATHER_KV, Command.SCATTER_KV):
         return int(header[1])
-    if command is Command.IPC_MAP:
+    if command is Command.NIXL_SETUP:
+        return packed_length(int(header[1]))
+    if command in (Command.IPC_MAP, Command.NIXL_LOAD):
         return packed_length(int(header[2]))
-    if command is Command.IPC_COPY:
+    if command in (Command.IPC_COPY, Command.NIXL_READ):
         return 2 * int(header[2])
     if command is Command.CAPTURE_GRAPHS:
         return int(header[2])

@@ -8,8 +8,9 @@ Invariant: collectives on a worker's groups are issued in the same order on ever
 rank 0 they are issued only by the thread that drives the engine (the engine thread while it
 runs; the constructing or stopping thread before and after), never by a gRPC handler: the
 KV handoff reaches the other ranks' shards through `gather_kv_blocks` / `scatter_kv_blocks`,
-which the servicers run as engine commands, and cuda-ipc handoffs through `setup_kv_ipc`,
-`map_kv_peer` and `copy_kv_from_peer` (ipc_ranks.py).
+which the servicers run as engine commands, cuda-ipc handoffs through `setup_kv_ipc`,
+`map_kv_peer` and `copy_kv_from_peer` (ipc_ranks.py), and nixl handoffs through the
+`*_kv_nixl*` methods (nixl_ranks.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from tandem.common.convert import layout_from_proto
 from tandem.common.logging import get_logger
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import ModelRunner
@@ -34,11 +36,14 @@ from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widt
 from tandem.workers.parallel.messages import (MESSAGE_LEN, Command, frame_command,
                                               make_header, pack_bytes, pack_inputs,
                                               split_message, unpack_inputs)
+from tandem.workers.parallel.nixl_ranks import (RankNixl, follow_nixl_command,
+                                                merge_rank_exports)
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
                                                    open_leader_store)
 
 logger = get_logger(__name__)
 STOP_TIMEOUT_SECONDS = 10.0
+NIXL_COMMANDS = (Command.NIXL_SETUP, Command.NIXL_LOAD, Command.NIXL_READ, Command.NIXL_UNLOAD)
 
 
 class RankGroup:
@@ -95,6 +100,7 @@ class LeaderRunner:
         num_kv_blocks = runner.kv_caches[0][0].shape[0]
         group.send(make_header(Command.KV_BLOCKS, num_kv_blocks))
         self._ipc: RankIpcPeers | None = None
+        self._nixl = RankNixl(self.kv_caches, 0)
 
     @property
     def kv_caches(self) -> KVCaches:
@@ -183,6 +189,45 @@ class LeaderRunner:
             self._ipc = RankIpcPeers(self.kv_caches, self.kv_caches[0][0].device, 0)
         return self._ipc
 
+    def setup_kv_nixl(self, layout: worker_pb2.KVLayout) -> worker_pb2.ExportNixlAgentResponse:
+        """Every rank creates its NIXL agent (nixl_ranks.py); returns the worker's export
+        (rank 0's, with every rank's in `ranks`). Engine thread only."""
+        data = layout.SerializeToString()
+        with self.group.fatal_on_error("NIXL setup"):
+            self.group.send(make_header(Command.NIXL_SETUP, len(data)), pack_bytes(data))
+            exports = all_gather_bytes(self._nixl.setup(layout_from_proto(layout)),
+                                       self.group.control_group)
+        return merge_rank_exports(exports)
+
+    def load_kv_nixl_peer(self, slot: int,
+                          response: worker_pb2.ExportNixlAgentResponse) -> list[int]:
+        """Every rank r loads the source's rank r agent under `slot`; returns the ranks that
+        could not. Engine thread only."""
+        data = response.SerializeToString()
+        with self.group.fatal_on_error("NIXL load"):
+            self.group.send(make_header(Command.NIXL_LOAD, slot, len(data)), pack_bytes(data))
+            return failed_ranks(self._nixl.load(slot, response), self.group.control_group)
+
+    def unload_kv_nixl_peer(self, slot: int) -> None:
+        with self.group.fatal_on_error("NIXL unload"):
+            self.group.send(make_header(Command.NIXL_UNLOAD, slot))
+            self._nixl.unload(slot)
+
+    def read_kv_nixl(self, slot: int, src_ids: list[int], dst_ids: list[int],
+                     timeout: float) -> list[int]:
+        """Every rank READs its heads of src_ids (the source under `slot`) into dst_ids, for
+        at most `timeout` seconds; returns the ranks whose READ failed. Engine thread only."""
+        ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int64)
+        timeout_ms = max(1, int(timeout * 1000))
+        with self.group.fatal_on_error("NIXL read"):
+            self.group.send(make_header(Command.NIXL_READ, slot, len(src_ids), timeout_ms), ids)
+            return failed_ranks(self._nixl.read(slot, src_ids, dst_ids, timeout_ms / 1000),
+                                self.group.control_group)
+
+    def close_kv_nixl(self) -> None:
+        """Rank 0's agent deregisters its cache (at shutdown, after the engine stopped)."""
+        self._nixl.close()
+
 
 def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
                   device: torch.device) -> None:
@@ -190,6 +235,7 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
 
     Raises (and the process should exit) when rank 0 goes away mid-collective."""
     ipc: RankIpcPeers | None = None  # made on the first cuda-ipc command
+    nixl: RankNixl | None = None  # made on the first nixl command
     while True:
         header, payload = receive_command(control_group)
         command = Command(int(header[0]))
@@ -212,6 +258,9 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
         elif command in (Command.IPC_SETUP, Command.IPC_MAP, Command.IPC_COPY):
             ipc = ipc or RankIpcPeers(runner.kv_caches, device, dist.get_rank())
             follow_ipc_command(ipc, command, header, payload, control_group)
+        elif command in NIXL_COMMANDS:
+            nixl = nixl or RankNixl(runner.kv_caches, dist.get_rank())
+            follow_nixl_command(nixl, command, header, payload, control_group)
         else:
             raise RuntimeError(f"unexpected command {command.name}")
 
