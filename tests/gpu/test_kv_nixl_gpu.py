@@ -5,7 +5,7 @@ one host, RDMA between hosts).
   one NIXL READ (kv_transfer bench at a small size; it checks every handle's bytes).
 * A router -> prefill (cuda:0) -> decode (cuda:1, or cuda:0 with one GPU) stack with
   --kv-transfer nixl (no fallback) gives transformers' greedy tokens and leaves no KV pinned or
-  in use.
+  in use; so does a TP=2 -> TP=2 stack, whose ranks each READ their own KV heads.
 """
 from __future__ import annotations
 
@@ -39,3 +39,12 @@ def test_stack_with_nixl_gives_transformers_tokens(checkpoint, tmp_path, decode_
     log = decode_log_of_handoff_stack(checkpoint("qwen3"), tmp_path, decode_device,
                                       "nixl", seed=92)
     assert "over nixl" in log and "VRAM" in log and "over grpc" not in log, log[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_stack_with_nixl_gives_transformers_tokens(checkpoint, tmp_path):
+    """TP=2 -> TP=2 over nixl: each rank's agent READs its KV head from the source's rank of
+    the same number (VRAM to VRAM; llama's 2 KV heads, one per rank)."""
+    log = decode_log_of_handoff_stack(checkpoint("llama"), tmp_path, "cuda:0", "nixl",
+                                      seed=93, tensor_parallel_size=2)
+    assert "on all 2 ranks" in log and "VRAM" in log and "over grpc" not in log, log[-3000:]

@@ -163,6 +163,9 @@ class NixlKVAgent:
         self.name = name
         self.endpoint = worker_pb2.NixlEndpoint(agent_name=name, export_id=self.export_id)
         self._response: worker_pb2.ExportNixlAgentResponse | None = None
+        # NIXL keeps one copy of a peer's metadata per agent name: a peer added twice (two
+        # addresses of one source, two slots of a TP rank) is unloaded when the last goes.
+        self._peer_refs: dict[str, int] = {}
         logger.info("NIXL agent %s: registered %d cache tensors as %d %s regions (%.2f GiB) "
                     "in %.3f s", name, len(tensors), len(regions), self.mem_type,
                     sum(r[1] for r in regions) / 2**30, time.monotonic() - started)
@@ -202,9 +205,14 @@ class NixlKVAgent:
         except Exception as exc:
             raise NixlUnavailable(f"loading NIXL agent {response.endpoint.agent_name!r} "
                                   f"failed: {exc}") from exc
+        self._peer_refs[name] = self._peer_refs.get(name, 0) + 1
         return NixlPeer(name, response.endpoint.export_id, response.mem_type, remote)
 
     def remove_peer(self, peer: NixlPeer) -> None:
+        refs = self._peer_refs.pop(peer.agent_name, 0) - 1
+        if refs > 0:  # another NixlPeer still reads through this agent's metadata
+            self._peer_refs[peer.agent_name] = refs
+            return
         try:
             self._agent.unload_peer(peer.agent_name)
         except Exception as exc:  # already gone; nothing is read through it any more
