@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.ops.linear import tp_rank_and_size
+from tandem.workers.parallel.all_reduce import tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         in_slice = (local >= 0) & (local < self.rows_per_partition)
         out = F.embedding(local.clamp(0, self.rows_per_partition - 1), self.weight)
         out = out * in_slice.unsqueeze(-1).to(out.dtype)
-        dist.all_reduce(out)
+        tp_all_reduce(out)
         return out
 
 

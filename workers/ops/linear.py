@@ -8,10 +8,10 @@ Every parameter carries `num_shards`: how many checkpoint tensors must be loaded
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.workers.parallel.all_reduce import tp_all_reduce
 from tandem.workers.parallel.context import current_parallel
 
 
@@ -152,5 +152,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,6 +31,7 @@ from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe, check_aiter_tri
 from tandem.workers.ops.linear import tp_rank_and_size
 from tandem.workers.parallel.context import current_parallel
 from tandem.workers.parallel.expert_dispatch import make_dispatcher
+from tandem.workers.parallel.all_reduce import tp_all_reduce
 
 # Checkpoint shard ids: which projection of one expert a tensor holds.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -278,7 +278,7 @@ class FusedMoE(nn.Module):
                               w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
                               **self._activation_kwargs)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            tp_all_reduce(out)
         return out
 
     def _run_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,

@@ -4,7 +4,9 @@ One worker = one process group of tensor_parallel_size processes on this host, r
 through a TCPStore that rank 0 opens on 127.0.0.1 (an OS-chosen port, so no port race).
 Two groups of collectives:
 
-  * the default group (nccl on GPUs, gloo on CPU): the model's all-reduces and the KV shards;
+  * the default group (nccl on GPUs, gloo on CPU): the model's all-reduces and the KV shards
+    (on GPUs, small all-reduces go through the one-shot kernel set up here instead:
+    all_reduce.py);
   * the control group (gloo): command headers and step inputs from rank 0. It is the default
     group on CPU and a separate gloo group on GPUs, so control messages never wait on the
     device. Followers idle in a control broadcast for as long as the worker is idle, so its
@@ -17,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from tandem.workers.parallel.all_reduce import use_one_shot
 
 STORE_HOST = "127.0.0.1"
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
@@ -64,7 +68,11 @@ def init_rank_group(store: dist.TCPStore, rank: int, world_size: int,
                             timeout=DEVICE_GROUP_TIMEOUT if is_gpu else CONTROL_GROUP_TIMEOUT)
     if not is_gpu:
         return None
-    return dist.new_group(backend="gloo", timeout=CONTROL_GROUP_TIMEOUT)
+    control_group = dist.new_group(backend="gloo", timeout=CONTROL_GROUP_TIMEOUT)
+    from tandem.workers.parallel.one_shot_all_reduce import OneShotAllReduce  # Triton: GPU only
+
+    use_one_shot(OneShotAllReduce.create(control_group, device))
+    return control_group
 
 
 def destroy_rank_group() -> None:
