@@ -14,17 +14,19 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.ops.backend import KernelBackend
-from tandem.workers.ops.linear import LinearBase
+from tandem.workers.ops.linear import LinearBase, RowParallelLinear
 from tandem.workers.ops.norm import RMSNorm
+from tandem.workers.parallel.all_reduce import tp_all_reduce
 
 MAX_ROWS = 1  # fused_gemv takes one row; at 2+ rows cuBLAS reads the weights faster
 
 
 def fusable(norms: tuple[RMSNorm, ...], linears: tuple[LinearBase, ...]) -> bool:
-    """The fused path computes exactly these layers' functions: aiter-triton norms, linears
-    without bias, and no tensor parallelism (a row-parallel linear would need its all-reduce)."""
+    """The fused path computes exactly these layers' functions: aiter-triton norms and linears
+    without bias. Under TP a column-parallel linear's GEMV gives this rank's output shard as
+    its forward does, and a row-parallel one's partial sum is all-reduced (`linear`)."""
     return (all(norm.backend is KernelBackend.AITER_TRITON for norm in norms)
-            and all(lin.bias is None and lin.tp_size == 1 for lin in linears))
+            and all(lin.bias is None for lin in linears))
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -40,5 +42,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
 
 
 def linear(x: torch.Tensor, layer: LinearBase) -> torch.Tensor:
+    """layer(x); a row-parallel layer's partial sums are all-reduced over the TP group, as
+    RowParallelLinear.forward does."""
     from tandem.workers.ops.gpu.decode_gemv import fused_gemv
-    return fused_gemv(x, layer.weight)[0]
+    y = fused_gemv(x, layer.weight)[0]
+    if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+        tp_all_reduce(y)
+    return y
