@@ -58,6 +58,8 @@ def test_tensor_parallel_on_two_gpus(checkpoint, kernels):
     with LLM(ckpt.path, dtype="float32", device="cuda", kernels=kernels,
              tensor_parallel_size=2) as llm:
         assert_greedy_parity(llm, ckpt, random_prompts(PARITY_LENGTHS, seed=82))
+        for prompt in random_prompts([5, 40], seed=83):  # alone: batch-1 steps (fused GEMVs
+            assert_greedy_parity(llm, ckpt, [prompt])    # on aiter-triton, all-reduced)
         graphs = llm.engine.runner.graphs
         if kernels == "aiter-triton":  # every rank captured; decode steps replayed in step
             assert graphs is not None and graphs.num_replays > 0
