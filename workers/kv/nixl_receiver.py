@@ -7,10 +7,11 @@ lease and one READ.
                                          timeout)  # failure: why nixl cannot serve this peer
 
 Per peer (source address): ExportNixlAgent once, load the source's agent once
-(`reads.load_peer`: on every rank of a TP worker), reuse it for every handle whose nixl.export_id matches; a new export_id
-(the source restarted) unloads the old agent first, so nothing is ever read through a dead
-process's addresses. A peer whose agent did not load is not tried again until its export_id
-changes (pull returns the failure; auto mode then goes by grpc).
+(`reads.load_peer`: on every rank of a TP worker), reuse it for every handle whose
+nixl.export_id matches; a new export_id (the source restarted) unloads the old agent first,
+so nothing is ever read through a dead process's addresses. A peer whose agent did not load is
+not tried again until its export_id changes (pull returns the failure; auto mode then goes by
+grpc).
 
 Per handle (lease rules of grpc_backend.py): LeaseKV renews the pin and names the blocks; the
 READ covers exactly those blocks, and waits at most until the lease ends; the caller releases

@@ -132,15 +132,26 @@ class OneShotAllReduce:
         shared = [None] * world
         dist.all_gather_object(shared, (_share(buffer), _share(flags)), group=group)
         buffers, flag_arrays = [], []
-        for peer, (peer_buffer, peer_flags) in enumerate(shared):
-            if peer == rank:
-                buffers.append(buffer)
-                flag_arrays.append(flags)
-            else:
-                buffers.append(_open(peer_buffer, device, torch.int32))
-                flag_arrays.append(_open(peer_flags, device, torch.int32))
+        try:
+            for peer, (peer_buffer, peer_flags) in enumerate(shared):
+                if peer == rank:
+                    buffers.append(buffer)
+                    flag_arrays.append(flags)
+                else:
+                    buffers.append(_open(peer_buffer, device, torch.int32))
+                    flag_arrays.append(_open(peer_flags, device, torch.int32))
+            mapped = True
+        except RuntimeError as exc:  # CUDA refused a handle (e.g. a separate IPC namespace)
+            logger.warning("rank %d: mapping the one-shot all-reduce buffers failed: %s",
+                           rank, exc)
+            mapped = False
         torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every rank's buffers are zeroed and mapped
+        mapped_everywhere = [None] * world  # also the barrier: every rank's buffers are zeroed
+        dist.all_gather_object(mapped_everywhere, mapped, group=group)
+        if not all(mapped_everywhere):
+            logger.warning("one-shot all-reduce off: a rank could not map its peers' buffers; "
+                           "NCCL does every all-reduce")
+            return None
         logger.info("one-shot all-reduce over %d GPUs for tensors up to %d KiB", world,
                     MAX_BYTES // 1024)
         return cls(rank, world, device, buffers, flag_arrays)
