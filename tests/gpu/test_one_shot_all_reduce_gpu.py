@@ -7,10 +7,10 @@ over MAX_BYTES goes to NCCL through tp_all_reduce."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import pytest
 import torch
+from helpers.rank_processes import run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 WORLD = 2
@@ -102,21 +102,7 @@ def check(results: dict, what: str, got: torch.Tensor, want: torch.Tensor, contr
 
 
 def test_one_shot_all_reduce_sums_like_nccl_eager_and_in_graphs(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    procs = [context.Process(target=rank_main, args=(r, str(tmp_path / "init"), str(outs[r])))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(240)
-            assert p.exitcode == 0, f"rank process exited with {p.exitcode} (or hung)"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    for out in outs:
-        got = json.loads(out.read_text())
+    results = run_ranks(rank_main, tmp_path, WORLD, timeout=240)
+    for got in results:
         assert got["created"] and not got["big_fits"]
         assert got["wrong"] == [] and got["differs"] == [], got

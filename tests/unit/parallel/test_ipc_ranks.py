@@ -6,10 +6,10 @@ tests/gpu/test_kv_cuda_ipc_gpu.py."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 
 import torch
 import torch.distributed as dist
+from helpers.rank_processes import run_ranks
 
 from tandem.common.convert import layout_to_proto
 from tandem.v1 import worker_pb2
@@ -61,16 +61,7 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
 
 
 def test_rank_protocol_reports_failures_and_stays_in_step(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    procs = [context.Process(target=rank_main, args=(r, str(tmp_path / "init"), str(outs[r])))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    results = [json.loads(out.read_text()) for out in outs]
+    results = run_ranks(rank_main, tmp_path, WORLD)
     for got in results:
         assert got["gathered"] == [(bytes([0]) * 3).hex(), (bytes([1]) * 14).hex()]
         assert got["empty"] == [b"ab".hex(), ""]

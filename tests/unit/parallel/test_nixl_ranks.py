@@ -9,12 +9,12 @@ headers and payloads the control channel carries (follow_nixl_command)."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.rank_processes import run_ranks
 
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.layout import KVLayout
@@ -133,16 +133,7 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
 
 
 def test_nixl_rank_protocol_reads_each_ranks_heads_and_reports_failures(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    procs = [context.Process(target=rank_main, args=(r, str(tmp_path / "init"), str(outs[r])))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    results = [json.loads(out.read_text()) for out in outs]
+    results = run_ranks(rank_main, tmp_path, WORLD)
     for got in results:
         assert got["receiver_export"]
         assert got["ranks"] == WORLD
