@@ -75,9 +75,14 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
+        """Queues fn for the engine thread now (commands run in the order queued), for a
+        caller that cannot await: a cancelled coroutine's clean-up."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+        return future
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         stream: asyncio.Queue = asyncio.Queue()

@@ -6,7 +6,8 @@ one host), from host ("DRAM") and GPU ("VRAM") caches alike.
     agent.export()                                # prefill: -> ExportNixlAgentResponse (cached)
     peer = agent.add_peer(response)               # decode: once per peer export_id
     num_bytes = await agent.read_blocks(peer, src_ids, dst_ids, timeout)  # per handle
-    num_bytes = agent.read_blocks_blocking(...)   # the same on a TP rank's command loop
+    read = agent.post_read(peer, src_ids, dst_ids, timeout)  # a TP rank: polled by rank 0
+    read.check() -> done?; read.num_bytes; read.cancel()
     agent.remove_peer(peer)                       # the peer restarted (new export_id)
 
 Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
@@ -237,21 +238,14 @@ class NixlKVAgent:
         finally:
             steps.close()  # cancelled mid-READ: the generator's finally cancels the transfer
 
-    def read_blocks_blocking(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
-                             timeout: float) -> int:
-        """read_blocks for a thread without an event loop (a TP rank's command loop)."""
-        steps = self._read_steps(peer, src_ids, dst_ids, timeout)
-        try:
-            while True:
-                pause = next(steps)
-                if pause is _DRAIN_STREAM:
-                    torch.cuda.current_stream(self.device).synchronize()
-                else:
-                    time.sleep(pause)
-        except StopIteration as done:
-            return done.value
-        finally:
-            steps.close()
+    def post_read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                  timeout: float) -> PostedRead:
+        """read_blocks for a caller that polls instead of waiting (a TP rank's command loop,
+        between engine steps): the READ is posted now; PostedRead.check asks NIXL once.
+        Raises as read_blocks does."""
+        read = PostedRead(self._read_steps(peer, src_ids, dst_ids, timeout), self.device)
+        read.check()
+        return read
 
     def _read_steps(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
                     timeout: float):
@@ -322,6 +316,33 @@ class NixlKVAgent:
                 self._agent.deregister(self._registered)
         except Exception as exc:  # shutting down anyway
             logger.warning("NIXL agent %s: deregistering the cache failed: %s", self.name, exc)
+
+
+class PostedRead:
+    """One READ driven by someone else's polls. check() drains the device's stream where the
+    READ needs it (once, at post), then asks NIXL once; it returns True once the READ is
+    done (num_bytes then set) and raises KVTransferFailed / ValueError when it failed or
+    outlasted its timeout (the transfer is then released). cancel() aborts an unfinished READ
+    (releasing it), so no byte lands afterwards; a finished or failed one is left as it is."""
+
+    def __init__(self, steps, device: torch.device) -> None:
+        self._steps = steps  # NixlKVAgent._read_steps, not yet started
+        self._device = device
+        self.num_bytes: int | None = None
+
+    def check(self) -> bool:
+        if self.num_bytes is not None:
+            return True
+        try:
+            while next(self._steps) is _DRAIN_STREAM:
+                torch.cuda.current_stream(self._device).synchronize()
+        except StopIteration as done:
+            self.num_bytes = done.value
+            return True
+        return False
+
+    def cancel(self) -> None:
+        self._steps.close()  # the generator's finally releases an unfinished transfer
 
 
 def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:

@@ -93,12 +93,17 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
     return [unpack_bytes(v, n) for v, n in zip(values, sizes)]
 
 
+def all_gather_ints(value: int, group: ProcessGroup | None) -> list[int]:
+    """Every rank's `value`, in rank order, on every rank."""
+    world = dist.get_world_size(group)
+    values = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.int64), group=group)
+    return [int(v) for v in values]
+
+
 def failed_ranks(ok: bool, group: ProcessGroup | None) -> list[int]:
     """Every rank says whether its part worked; all learn which ranks failed."""
-    world = dist.get_world_size(group)
-    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int64), group=group)
-    return [rank for rank, flag in enumerate(flags) if int(flag)]
+    return [rank for rank, flag in enumerate(all_gather_ints(0 if ok else 1, group)) if flag]
 
 
 def follow_ipc_command(ipc: RankIpcPeers, command: Command, header: torch.Tensor,

@@ -32,8 +32,11 @@ Commands:
                its NIXL agent and sends rank 0 its export (parallel/nixl_ranks.py)
     NIXL_LOAD  args (slot, num_bytes); payload = a source's ExportNixlAgentResponse as bytes:
                rank r loads the source's ranks[r] agent under `slot`
-    NIXL_READ  args (slot, num_blocks, timeout_ms); payload = source block ids then
-               destination block ids: every rank READs its share from the source `slot`
+    NIXL_POST  args (transfer, slot, num_blocks, timeout_ms); payload = source block ids
+               then destination block ids: every rank posts the READ of its share from the
+               source `slot` as `transfer`, and all learn every rank's status
+    NIXL_POLL  args (transfer, cancel): every rank checks (or with cancel=1 aborts) its READ
+               of `transfer`, and all learn every rank's status
     NIXL_UNLOAD args (slot,): every rank drops the source loaded under `slot`
 """
 from __future__ import annotations
@@ -62,8 +65,9 @@ class Command(IntEnum):
     CAPTURE_GRAPHS = 9
     NIXL_SETUP = 10
     NIXL_LOAD = 11
-    NIXL_READ = 12
+    NIXL_POST = 12
     NIXL_UNLOAD = 13
+    NIXL_POLL = 14
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -100,8 +104,10 @@ def payload_length(header: torch.Tensor) -> int:
         return packed_length(int(header[1]))
     if command in (Command.IPC_MAP, Command.NIXL_LOAD):
         return packed_length(int(header[2]))
-    if command in (Command.IPC_COPY, Command.NIXL_READ):
+    if command is Command.IPC_COPY:
         return 2 * int(header[2])
+    if command is Command.NIXL_POST:
+        return 2 * int(header[3])
     if command is Command.CAPTURE_GRAPHS:
         return int(header[2])
     return 0

@@ -9,21 +9,29 @@ the ranks through the control channel from the engine thread:
     setup   NIXL_SETUP: every rank creates its agent over its cache; rank 0 gathers the
             exports and serves them as ExportNixlAgentResponse.ranks
     load    NIXL_LOAD: rank r loads the source's ranks[r] under a slot
-    read    NIXL_READ: every rank READs its share, waiting at most the given time
+    read    NIXL_POST: every rank posts the READ of its share under a transfer id, then
+            NIXL_POLL (rank 0's event loop sends one every <= 2 ms) until the READ is done
+            on every rank or failed on one; NIXL_POLL with cancel set aborts it everywhere
     unload  NIXL_UNLOAD: every rank drops a slot (the source restarted)
 
-After a load or a read every rank reports ok or failed (ipc_ranks.failed_ranks), so a failure
-is an answer and the group stays in step. NIXL's one-thread rule holds per rank: a follower
-makes every call on its command loop, rank 0 on the engine thread (RankGroupNixl goes through
-engine.call; the export it serves is the one made at setup).
+After a load every rank reports ok or failed (ipc_ranks.failed_ranks); after a post or a poll
+every rank's status (PENDING, DONE, FAILED) is all-gathered, so every rank sees the same
+ReadOutcome, a failure is an answer and the group stays in step. A READ that failed on one rank
+is cancelled on the others at once, so a failed transfer writes nothing more anywhere.
+NIXL's one-thread rule holds per rank: a follower makes every call on its command loop, rank 0
+on the engine thread (RankGroupNixl goes through engine.call; the export it serves is the one
+made at setup).
 
-A READ blocks the engine thread (every rank's) until it completes: decode steps of the whole
-group wait meanwhile, as for a TP cuda-ipc copy.
+Engine steps run between the polls: a READ in flight holds no engine thread, so the group's
+other requests keep decoding while a handoff lands (a poll costs one broadcast and one
+all-gather on the control group).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import time
 
 from torch.distributed import ProcessGroup
 
@@ -32,13 +40,34 @@ from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.layout import KVLayout
-from tandem.workers.kv.nixl_backend import (NixlKVAgent, NixlPeer, NixlUnavailable,
-                                            TensorBlocks)
+from tandem.workers.kv.nixl_backend import (MAX_POLL_SECONDS, NixlKVAgent, NixlPeer,
+                                            NixlUnavailable, PostedRead, TensorBlocks)
 from tandem.workers.kv.transport import KVTransferFailed
-from tandem.workers.parallel.ipc_ranks import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.ipc_ranks import all_gather_bytes, all_gather_ints, failed_ranks
 from tandem.workers.parallel.messages import Command, unpack_bytes
 
 logger = get_logger(__name__)
+
+
+PENDING, DONE, FAILED = 0, 1, 2  # one rank's state of a posted READ
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOutcome:
+    """A posted READ as the whole group sees it: every rank's status, in rank order."""
+    statuses: list[int]
+
+    @property
+    def failed(self) -> list[int]:
+        return [rank for rank, status in enumerate(self.statuses) if status == FAILED]
+
+    @property
+    def done(self) -> bool:
+        return all(status == DONE for status in self.statuses)
+
+    @property
+    def settled(self) -> bool:
+        return self.done or bool(self.failed)
 
 
 class RankNixl:
@@ -50,6 +79,7 @@ class RankNixl:
         self.agent: NixlKVAgent | None = None
         self._export = b""
         self._peers: dict[int, NixlPeer] = {}
+        self._reads: dict[int, PostedRead] = {}  # transfer id -> this rank's READ, unsettled
 
     def setup(self, layout: KVLayout) -> bytes:
         """Creates the agent (once per process: the cache stays registered for its life) and
@@ -84,19 +114,53 @@ class RankNixl:
         if peer is not None and self.agent is not None:
             self.agent.remove_peer(peer)
 
-    def read(self, slot: int, src_ids: list[int], dst_ids: list[int], timeout: float) -> bool:
-        """READs this rank's heads of the blocks and waits for them; False, logged, on
-        failure (an unfinished READ has been cancelled)."""
+    def post(self, transfer: int, slot: int, src_ids: list[int], dst_ids: list[int],
+             timeout: float, group: ProcessGroup | None) -> ReadOutcome:
+        """Posts this rank's READ of its heads of the blocks as `transfer`; collective: every
+        rank learns the group's outcome so far (settle)."""
         peer = self._peers.get(slot)
         if peer is None or self.agent is None:
             logger.warning("rank %d: NIXL READ from unloaded source %d", self.rank, slot)
-            return False
+            return self._settle(transfer, FAILED, group)
         try:
-            self.agent.read_blocks_blocking(peer, src_ids, dst_ids, timeout)
+            read = self.agent.post_read(peer, src_ids, dst_ids, timeout)
         except (KVTransferFailed, ValueError) as exc:
             logger.warning("rank %d: NIXL READ from source %d failed: %s", self.rank, slot, exc)
-            return False
-        return True
+            return self._settle(transfer, FAILED, group)
+        self._reads[transfer] = read
+        return self._settle(transfer, DONE if read.check() else PENDING, group)
+
+    def poll(self, transfer: int, cancel: bool, group: ProcessGroup | None) -> ReadOutcome:
+        """Asks NIXL once about this rank's `transfer` (or cancels it); collective, as post.
+        A transfer this rank no longer holds (already settled) counts as failed."""
+        read = self._reads.get(transfer)
+        if read is None:
+            status = FAILED
+        elif cancel:
+            read.cancel()
+            status = FAILED
+        else:
+            try:
+                status = DONE if read.check() else PENDING
+            except (KVTransferFailed, ValueError) as exc:
+                logger.warning("rank %d: NIXL READ %d failed: %s", self.rank, transfer, exc)
+                status = FAILED
+        return self._settle(transfer, status, group)
+
+    def _settle(self, transfer: int, status: int, group: ProcessGroup | None) -> ReadOutcome:
+        """All-gathers every rank's status; once the READ is done everywhere or failed
+        anywhere, every rank forgets it, cancelling its share if still in flight (so a
+        failed transfer writes nothing more on any rank)."""
+        outcome = ReadOutcome(all_gather_ints(status, group))
+        if outcome.settled:
+            read = self._reads.pop(transfer, None)
+            if read is not None and not outcome.done:
+                read.cancel()
+        return outcome
+
+    @property
+    def reads_in_flight(self) -> int:
+        return len(self._reads)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -128,6 +192,7 @@ class RankGroupNixl:
         self.tp_size = tp_size
         self.endpoint = export.endpoint
         self._slots = itertools.count()
+        self._transfers = itertools.count()
 
     @classmethod
     async def start(cls, engine, layout: KVLayout) -> RankGroupNixl:
@@ -163,10 +228,35 @@ class RankGroupNixl:
 
     async def read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
                    timeout: float) -> int:
-        failed = await self._engine.call(
-            lambda e: e.runner.read_kv_nixl(peer.slot, src_ids, dst_ids, timeout))
-        if failed:
-            raise KVTransferFailed(f"NIXL READ failed on rank(s) {failed} (see their logs)")
+        """Every rank READs its heads of the blocks; returns the bytes read. Engine steps go on
+        while it is in flight. KVTransferFailed when a rank failed or `timeout` passed (the
+        READ is then cancelled on every rank); a cancelled caller cancels it too."""
+        transfer = next(self._transfers)
+        deadline = time.monotonic() + timeout
+        settled = False
+        try:
+            outcome = await self._engine.call(lambda e: e.runner.post_kv_nixl_read(
+                transfer, peer.slot, src_ids, dst_ids, timeout))
+            delay = 0.0
+            while not outcome.settled:
+                late = time.monotonic() > deadline
+                if not late:
+                    await asyncio.sleep(delay)
+                    delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
+                outcome = await self._engine.call(
+                    lambda e: e.runner.poll_kv_nixl_read(transfer, late))
+                if late and not outcome.done:
+                    settled = True
+                    raise KVTransferFailed(f"NIXL READ of {len(src_ids)} blocks not done on "
+                                           f"every rank after {timeout:.1f} s")
+            settled = True
+        finally:
+            if not settled:  # cancelled (the request went away): abort on every rank; the
+                # command queues behind the ones already sent, before any block is freed
+                self._engine.submit(lambda e: e.runner.poll_kv_nixl_read(transfer, True))
+        if outcome.failed:
+            raise KVTransferFailed(f"NIXL READ failed on rank(s) {outcome.failed} (see their "
+                                   f"logs)")
         return len(src_ids) * sum(t.block_bytes for t in peer.tensors) * self.tp_size
 
     def close(self) -> None:
@@ -175,8 +265,9 @@ class RankGroupNixl:
 
 
 def follow_nixl_command(nixl: RankNixl, command: Command, header, payload,
-                        group: ProcessGroup | None) -> None:
-    """A follower's side of NIXL_SETUP / NIXL_LOAD / NIXL_READ / NIXL_UNLOAD."""
+                        group: ProcessGroup | None) -> ReadOutcome | None:
+    """A follower's side of NIXL_SETUP / NIXL_LOAD / NIXL_POST / NIXL_POLL / NIXL_UNLOAD;
+    returns the outcome of a post or a poll (every rank sees the same), else None."""
     if command is Command.NIXL_SETUP:
         layout = layout_from_proto(worker_pb2.KVLayout.FromString(
             unpack_bytes(payload, int(header[1]))))
@@ -186,12 +277,15 @@ def follow_nixl_command(nixl: RankNixl, command: Command, header, payload,
         response = worker_pb2.ExportNixlAgentResponse.FromString(unpack_bytes(payload,
                                                                               num_bytes))
         failed_ranks(nixl.load(slot, response), group)
-    elif command is Command.NIXL_READ:
-        slot, num_blocks, timeout_ms = int(header[1]), int(header[2]), int(header[3])
+    elif command is Command.NIXL_POST:
+        transfer, slot, num_blocks, timeout_ms = (int(v) for v in header[1:5])
         ids = payload.tolist()
-        failed_ranks(nixl.read(slot, ids[:num_blocks], ids[num_blocks:], timeout_ms / 1000),
-                     group)
+        return nixl.post(transfer, slot, ids[:num_blocks], ids[num_blocks:],
+                         timeout_ms / 1000, group)
+    elif command is Command.NIXL_POLL:
+        return nixl.poll(int(header[1]), bool(header[2]), group)
     elif command is Command.NIXL_UNLOAD:
         nixl.unload(int(header[1]))
     else:
         raise ValueError(f"not a nixl command: {command.name}")
+    return None

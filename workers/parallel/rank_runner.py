@@ -36,14 +36,15 @@ from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widt
 from tandem.workers.parallel.messages import (MESSAGE_LEN, Command, frame_command,
                                               make_header, pack_bytes, pack_inputs,
                                               split_message, unpack_inputs)
-from tandem.workers.parallel.nixl_ranks import (RankNixl, follow_nixl_command,
+from tandem.workers.parallel.nixl_ranks import (RankNixl, ReadOutcome, follow_nixl_command,
                                                 merge_rank_exports)
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
                                                    open_leader_store)
 
 logger = get_logger(__name__)
 STOP_TIMEOUT_SECONDS = 10.0
-NIXL_COMMANDS = (Command.NIXL_SETUP, Command.NIXL_LOAD, Command.NIXL_READ, Command.NIXL_UNLOAD)
+NIXL_COMMANDS = (Command.NIXL_SETUP, Command.NIXL_LOAD, Command.NIXL_POST, Command.NIXL_POLL,
+                 Command.NIXL_UNLOAD)
 
 
 class RankGroup:
@@ -213,16 +214,25 @@ class LeaderRunner:
             self.group.send(make_header(Command.NIXL_UNLOAD, slot))
             self._nixl.unload(slot)
 
-    def read_kv_nixl(self, slot: int, src_ids: list[int], dst_ids: list[int],
-                     timeout: float) -> list[int]:
-        """Every rank READs its heads of src_ids (the source under `slot`) into dst_ids, for
-        at most `timeout` seconds; returns the ranks whose READ failed. Engine thread only."""
+    def post_kv_nixl_read(self, transfer: int, slot: int, src_ids: list[int],
+                          dst_ids: list[int], timeout: float) -> ReadOutcome:
+        """Every rank posts the READ of its heads of src_ids (the source under `slot`) into
+        dst_ids as `transfer`, lasting at most `timeout` seconds; returns the group's outcome
+        so far (poll_kv_nixl_read until it is settled). Engine thread only."""
         ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int64)
         timeout_ms = max(1, int(timeout * 1000))
         with self.group.fatal_on_error("NIXL read"):
-            self.group.send(make_header(Command.NIXL_READ, slot, len(src_ids), timeout_ms), ids)
-            return failed_ranks(self._nixl.read(slot, src_ids, dst_ids, timeout_ms / 1000),
-                                self.group.control_group)
+            self.group.send(make_header(Command.NIXL_POST, transfer, slot, len(src_ids),
+                                        timeout_ms), ids)
+            return self._nixl.post(transfer, slot, src_ids, dst_ids, timeout_ms / 1000,
+                                   self.group.control_group)
+
+    def poll_kv_nixl_read(self, transfer: int, cancel: bool = False) -> ReadOutcome:
+        """Every rank checks (or, with cancel, aborts) its READ of `transfer`; returns the
+        group's outcome. Engine thread only."""
+        with self.group.fatal_on_error("NIXL poll"):
+            self.group.send(make_header(Command.NIXL_POLL, transfer, int(cancel)))
+            return self._nixl.poll(transfer, cancel, self.group.control_group)
 
     def close_kv_nixl(self) -> None:
         """Rank 0's agent deregisters its cache (at shutdown, after the engine stopped)."""

@@ -4,10 +4,13 @@ heads of the source (values differ by rank) into exactly the destination blocks,
 from a slot never loaded or unloaded, a load of a source that exported too few rank agents,
 or an out-of-range block id comes back as a reported failure of the ranks concerned, with
 the group still in step; a source loaded in two slots still reads through one after the
-other is unloaded. Rank 0 calls RankNixl as LeaderRunner does, rank 1 replays the
-headers and payloads the control channel carries (follow_nixl_command)."""
+other is unloaded. A READ is posted and then polled until settled; one that fails on one rank
+settles as failed on both, a cancelled one as failed, and neither rank holds a READ after.
+Rank 0 calls RankNixl as LeaderRunner does, rank 1 replays the headers and payloads the
+control channel carries (follow_nixl_command)."""
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -73,15 +76,39 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
                                 pack_bytes(data), None)
             return None
 
-        def read(slot: int, src_ids: list[int], dst_ids: list[int]):
-            timeout_ms = max(1, int(TIMEOUT * 1000))
-            if rank == 0:  # as LeaderRunner.read_kv_nixl
-                return failed_ranks(receiver.read(slot, src_ids, dst_ids, timeout_ms / 1000),
-                                    None)
-            follow_nixl_command(receiver, Command.NIXL_READ,
-                                make_header(Command.NIXL_READ, slot, len(src_ids), timeout_ms),
-                                torch.tensor([*src_ids, *dst_ids], dtype=torch.int64), None)
-            return None
+        transfers = itertools.count()
+
+        def command(cmd: Command, *args: int, payload=None):
+            """Rank 0 as LeaderRunner: calls RankNixl; rank 1 replays the header."""
+            if rank == 0:
+                if cmd is Command.NIXL_POST:
+                    transfer, slot, n, timeout_ms = args
+                    ids = payload.tolist()
+                    return receiver.post(transfer, slot, ids[:n], ids[n:], timeout_ms / 1000,
+                                         None)
+                return receiver.poll(args[0], bool(args[1]), None)
+            return follow_nixl_command(receiver, cmd, make_header(cmd, *args), payload, None)
+
+        def read(slot: int, src_ids: list[int], dst_ids: list[int], slot_on_rank1=None):
+            """As RankGroupNixl.read: post, then poll until settled; the failed ranks."""
+            transfer = next(transfers)
+            slot_here = slot if rank == 0 or slot_on_rank1 is None else slot_on_rank1
+            outcome = command(Command.NIXL_POST, transfer, slot_here, len(src_ids),
+                              int(TIMEOUT * 1000),
+                              payload=torch.tensor([*src_ids, *dst_ids], dtype=torch.int64))
+            while not outcome.settled:
+                time.sleep(1e-4)
+                outcome = command(Command.NIXL_POLL, transfer, 0)
+            results.setdefault("outcomes", []).append(outcome.statuses)
+            return outcome.failed
+
+        def cancelled(src_ids: list[int], dst_ids: list[int]):
+            """Posted, then cancelled at once: whatever the READ had reached, both ranks
+            settle it as failed and hold nothing."""
+            transfer = next(transfers)
+            command(Command.NIXL_POST, transfer, 0, len(src_ids), int(TIMEOUT * 1000),
+                    payload=torch.tensor([*src_ids, *dst_ids], dtype=torch.int64))
+            return command(Command.NIXL_POLL, transfer, 1).failed
 
         def unload(slot: int) -> None:  # as LeaderRunner.unload_kv_nixl_peer: no collective
             if rank == 0:
@@ -120,6 +147,11 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         results["untouched_after_failures"] = all(not got[untouched].any()
                                                   for got in dst_caches[0])
         results["read_reloaded"] = read(0, [3], [5])  # the re-loaded slot still reads
+        # Rank 1 reads from a slot it never loaded: its failure settles rank 0's READ too.
+        results["read_one_rank_fails"] = read(0, [4], [2], slot_on_rank1=7)
+        results["cancel"] = cancelled([0, 1], [0, 1])
+        results["poll_unknown"] = command(Command.NIXL_POLL, 999, 0).failed
+        results["in_flight"] = receiver.reads_in_flight
         results["reloaded_blocks"] = all(torch.equal(got[5], want[3])
                                          for got, want in zip(dst_caches[0], src_caches[0]))
         results["after"] = failed_ranks(True, None)  # still in step
@@ -148,6 +180,9 @@ def test_nixl_rank_protocol_reads_each_ranks_heads_and_reports_failures(tmp_path
         assert got["reloaded_blocks"]
         assert got["after_unloaded"] == []
         assert got["after"] == []
+        assert got["in_flight"] == 0  # every posted READ settled, on both ranks
+        # both ranks saw the same statuses for every READ
+        assert got["outcomes"] == results[0]["outcomes"]
     leader = results[0]
     assert leader["load"] == []
     assert leader["read"] == []
@@ -159,4 +194,7 @@ def test_nixl_rank_protocol_reads_each_ranks_heads_and_reports_failures(tmp_path
     assert leader["read_bad_dst"] == [0, 1]
     assert leader["read_bad_src"] == [0, 1]
     assert leader["read_reloaded"] == []
+    assert leader["read_one_rank_fails"] == [1]
+    assert leader["cancel"] == [0, 1]
+    assert leader["poll_unknown"] == [0, 1]
     assert leader["read_s"] < 20
