@@ -10,6 +10,12 @@ between a stream's first and second token (router hop + pull + one decode step),
 backends differ by their pull alone. Per prompt length, --requests sequential requests of
 fresh random token ids (2 output tokens); the table gives the median TTFT and median gap, and
 the KV bytes one prompt moves (layers x 2 x KV heads x head dim x 2 bytes per token).
+
+--background keeps one more stream decoding on the decode worker throughout (a 16-token prompt,
+--background-tokens tokens): its median gap between tokens (its TPOT), and per prompt length
+the median over requests of its longest gap inside a handoff (from the handoff request's first
+token to its second). A handoff that holds the decode worker's engine thread shows there as a
+gap as long as the pull; one that lets steps go on leaves about one step.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", default="1000,4000", help="prompt lengths in tokens")
     p.add_argument("--requests", type=int, default=8, help="per prompt length (1 more warms)")
     p.add_argument("--log-dir", type=Path, help="keep the workers' logs here")
+    p.add_argument("--background", action="store_true",
+                   help="time a stream decoding beside the handoffs (see above)")
+    p.add_argument("--background-tokens", type=int, default=6000)
     return p.parse_args(argv)
 
 
@@ -48,8 +58,8 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
 
 
-def one_request(client: TandemClient, prompt: list[int]) -> tuple[float, float]:
-    """(TTFT, gap between the first and second token), in seconds."""
+def one_request(client: TandemClient, prompt: list[int]) -> tuple[float, float, float]:
+    """(start, first token, second token), perf_counter seconds."""
     started = time.perf_counter()
     times = []
     with client.stream(prompt, max_tokens=2, min_tokens=2, temperature=0.0) as stream:
@@ -57,7 +67,45 @@ def one_request(client: TandemClient, prompt: list[int]) -> tuple[float, float]:
             times += [time.perf_counter()] * len(delta.token_ids)
     if len(times) < 2:
         raise RuntimeError(f"expected 2 tokens, got {len(times)}")
-    return times[0] - started, times[1] - times[0]
+    return started, times[0], times[1]
+
+
+class BackgroundStream:
+    """One long greedy stream, read on its own thread: when each of its tokens arrived."""
+
+    def __init__(self, client: TandemClient, prompt: list[int], max_tokens: int) -> None:
+        self.times: list[float] = []
+        self._stream = client.stream(prompt, max_tokens=max_tokens, min_tokens=max_tokens,
+                                     temperature=0.0)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for delta in self._stream:
+                self.times += [time.perf_counter()] * len(delta.token_ids)
+        except Exception:  # cancelled by stop()
+            pass
+
+    def wait_for_tokens(self, count: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.times) < count:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the background stream gave {len(self.times)} tokens")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stream.cancel()
+        self._thread.join(30)
+
+    def median_gap(self) -> float:
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """The longest gap between two of its tokens that overlaps [start, end]; NaN when
+        the stream had ended by then."""
+        gaps = [b - a for a, b in zip(self.times, self.times[1:]) if b > start and a < end]
+        return max(gaps) if gaps and self.times[-1] >= end else float("nan")
 
 
 def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) -> dict:
@@ -71,13 +119,25 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
     rows = {}
     address = stack.start()
     try:
-        client = TandemClient(address, timeout=120)
+        client = TandemClient(address, timeout=600)
+        background = None
+        if args.background:
+            background = BackgroundStream(client, [rng.randrange(vocab) for _ in range(16)],
+                                          args.background_tokens)
+            background.wait_for_tokens(20)
         for length in (int(n) for n in args.prompts.split(",")):
             samples = [one_request(client, [rng.randrange(vocab) for _ in range(length)])
                        for _ in range(args.requests + 1)][1:]
-            rows[length] = (statistics.median(s[0] for s in samples),
-                            statistics.median(s[1] for s in samples))
+            stall = (statistics.median(background.longest_gap(first, second)
+                                       for _, first, second in samples)
+                     if background else float("nan"))
+            rows[length] = (statistics.median(first - start for start, first, _ in samples),
+                            statistics.median(second - first for _, first, second in samples),
+                            stall)
             print(f"{backend}: {length}-token prompts done", flush=True)
+        if background:
+            background.stop()
+            rows["background_tpot"] = background.median_gap()
     finally:
         stack.stop()
     return rows
@@ -109,6 +169,14 @@ def main(argv=None) -> int:
         cells = " ".join(f"{results[b][length][0] * 1e3:18.1f} {results[b][length][1] * 1e3:17.1f}"
                          for b in results)
         print(f"{length:>7} {length * per_token / 2**20:7.0f} {cells}")
+    if args.background:
+        print("\nthe background stream: its median gap (TPOT) and, per prompt length, the "
+              "median over handoffs of its longest gap during one, ms")
+        print(f"{'backend':>10} {'TPOT':>7} " + " ".join(
+            f"{f'stall @{n}':>11}" for n in args.prompts.split(",")))
+        for b, rows in results.items():
+            print(f"{b:>10} {rows['background_tpot'] * 1e3:7.1f} " + " ".join(
+                f"{rows[int(n)][2] * 1e3:11.1f}" for n in args.prompts.split(",")))
     return 0
 
 

@@ -4,6 +4,7 @@ that cannot complete (handle released, source gone) fails the decode request wit
 naming the source, leaving no KV block behind on the decode worker."""
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import grpc
@@ -125,14 +126,21 @@ def test_a_vanished_prefill_worker_fails_the_decode_unavailable_without_leaking(
 def test_tp2_workers_hand_kv_off_rank_to_rank_over_nixl(checkpoint, tmp_path):
     """TP=2 prefill -> TP=2 decode with --kv-transfer nixl: every rank has its own agent and
     READs its KV head from the source's rank of the same number (parallel/nixl_ranks.py); the
-    tokens equal transformers' and both workers end with no KV block in use."""
+    tokens equal transformers', also for a stream decoding on the same worker while the
+    handoffs' READs are posted and polled between its steps, and both workers end with no KV
+    block in use."""
     ckpt = checkpoint("llama")  # 2 KV heads: one per rank
     stack = start_stack(ckpt.path, tmp_path, worker_args=[
         "--kv-transfer", "nixl", "--tensor-parallel-size", "2", "--kv-lease-seconds", "5"])
     try:
-        for prompt in ([(5 * i) % 300 + 2 for i in range(70)], list(range(40, 57))):
-            result = generate(stack.router.address, request(prompt, max_tokens=12))
-            assert result.token_ids == ckpt.greedy(prompt, 12)
+        beside = list(range(3, 20))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            background = pool.submit(generate, stack.router.address,
+                                     request(beside, max_tokens=60))
+            for prompt in ([(5 * i) % 300 + 2 for i in range(70)], list(range(40, 57))):
+                result = generate(stack.router.address, request(prompt, max_tokens=12))
+                assert result.token_ids == ckpt.greedy(prompt, 12)
+            assert background.result(timeout=120).token_ids == ckpt.greedy(beside, 60)
         for worker in stack.workers.values():
             _wait_idle(worker.address)
         log = stack.workers["decode-0"].log_path.read_text()
