@@ -1,10 +1,11 @@
 """One NIXL agent with its UCX backend: the few NIXL calls the nixl KV backend makes.
 
-    agent = NixlAgent(name)                                  # UCX backend, progress thread
+    agent = NixlAgent(name, cuda_device)                     # UCX backend, progress thread
     registered = agent.register([(address, bytes, device_id)], "DRAM" | "VRAM")
     agent.metadata() -> bytes        peer = agent.load_peer(metadata)   agent.unload_peer(peer)
-    xfer = agent.post_read(local_rows, "DRAM", remote_rows, "VRAM", peer)   # [N, 3] uint64
-    agent.state(xfer) -> "DONE" | "PROC" | "ERR";  agent.release(xfer)
+    future = agent.start_read(local_rows, "DRAM", remote_rows, "VRAM", peer, timeout,
+                              cancelled, what)           # [N, 3] uint64 rows; a whole READ
+    agent.close()                                        # after deregistering
 
 Built on NIXL's bindings (the module under nixl._api) rather than nixl._api.nixl_agent, for
 one reason: nixl_agent starts NIXL's progress thread with a delay of 0 us, and that thread
@@ -14,18 +15,32 @@ is as fast. The thread cannot be left off: a READ completes only while the *sour
 makes progress (over UCX's tcp transport the source answers every get; over shared memory
 the connection set-up needs it too; measured: a READ stays in progress forever otherwise).
 
-Every call is made from one thread (NIXL_THREAD_SYNC_NONE): the worker's event loop.
+Every NIXL call is made on the agent's own thread (so NIXL_THREAD_SYNC_NONE is safe), and a
+READ runs there from post to release. Callers never wait on it unless they ask to: on one host
+UCX does the whole READ inside the post call (measured on 2 H200s: 16000 descriptors, 250
+blocks of a TP rank's 8B cache, take 99-108 ms in postXferReq, which then reports it done),
+and that call releases the GIL, so the engine steps and the event loop serves streams
+meanwhile (a Python thread spinning beside it was never held up more than 1.5 ms;
+bench/results/nixl-read-anatomy-h200x2-s10.log).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import importlib.util
+import threading
+import time
+
+from tandem.common.logging import get_logger
+from tandem.workers.kv.transport import KVTransferFailed
 
 # The meta package `nixl` picks the wheel matching the CUDA it detects; `tandem[nixl]`
 # installs nixl-cu13 alone, which imports as nixl_cu13.
 _PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
 PROGRESS_DELAY_US = 100  # the progress thread's sleep when it found nothing to progress
 MEM_TYPES = ("DRAM", "VRAM")
+MAX_POLL_SECONDS = 0.002  # longest sleep between two checks of a posted READ
+logger = get_logger(__name__)
 
 
 class NixlUnavailable(RuntimeError):
@@ -49,7 +64,24 @@ def _load_bindings():
 
 
 class NixlAgent:
-    def __init__(self, name: str) -> None:
+    """The agent and the one thread that makes its calls (CUDA device `cuda_device` current
+    there when given, for UCX's CUDA calls)."""
+
+    def __init__(self, name: str, cuda_device: int | None = None) -> None:
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="nixl", initializer=_use_device, initargs=(cuda_device,))
+        self.name = name
+        try:
+            self._call(self._create)
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
+
+    def _call(self, fn, *args):
+        """fn(*args) on the agent's thread; waits for it."""
+        return self._thread.submit(fn, *args).result()
+
+    def _create(self) -> None:
         bind = self._bind = _load_bindings()
         config = bind.nixlAgentConfig()
         config.useProgThread = True
@@ -58,9 +90,9 @@ class NixlAgent:
         config.syncMode = bind.NIXL_THREAD_SYNC_NONE
         config.captureTelemetry = False
         try:
-            self._agent = bind.nixlAgent(name, config)
+            self._agent = bind.nixlAgent(self.name, config)
         except Exception as exc:  # NIXL raises its own exception types
-            raise NixlUnavailable(f"creating NIXL agent {name} failed: {exc}") from exc
+            raise NixlUnavailable(f"creating NIXL agent {self.name} failed: {exc}") from exc
         plugins = self._agent.getAvailPlugins()
         if "UCX" not in plugins:
             raise NixlUnavailable(f"NIXL has no UCX plugin (plugins: {plugins})")
@@ -70,49 +102,77 @@ class NixlAgent:
             raise NixlUnavailable(f"NIXL's UCX backend did not start: {exc} (check UCX_TLS "
                                   f"and UCX_NET_DEVICES)") from exc
         self._mems = {"DRAM": bind.DRAM_SEG, "VRAM": bind.VRAM_SEG}
-        self.name = name
 
     def register(self, regions: list[tuple[int, int, int]], mem_type: str):
         """Registers (address, bytes, device id) regions; returns what deregister takes."""
-        descs = self._bind.nixlRegDList(self._mems[mem_type],
-                                        [(addr, size, dev, "") for addr, size, dev in regions])
-        self._agent.registerMem(descs, [self._ucx])
-        return descs
+        def register():
+            descs = self._bind.nixlRegDList(
+                self._mems[mem_type], [(addr, size, dev, "") for addr, size, dev in regions])
+            self._agent.registerMem(descs, [self._ucx])
+            return descs
+        return self._call(register)
 
     def deregister(self, registered) -> None:
-        self._agent.deregisterMem(registered, [self._ucx])
+        self._call(self._agent.deregisterMem, registered, [self._ucx])
 
     def metadata(self) -> bytes:
         """Connection info and the registered memory's keys, for a peer's load_peer."""
-        return self._agent.getLocalMD()
+        return self._call(self._agent.getLocalMD)
 
     def load_peer(self, metadata: bytes) -> str:
         """Loads a peer's metadata; returns its agent name."""
-        name = self._agent.loadRemoteMD(metadata)
+        name = self._call(self._agent.loadRemoteMD, metadata)
         return name.decode() if isinstance(name, bytes) else name
 
     def unload_peer(self, name: str) -> None:
-        self._agent.invalidateRemoteMD(name)
+        self._call(self._agent.invalidateRemoteMD, name)
 
-    def post_read(self, local_rows, local_mem: str, remote_rows, remote_mem: str, peer: str):
-        """Starts local_rows[i] <- remote_rows[i] for every row (address, bytes, device id).
-        Returns (transfer, state); the transfer must be released."""
-        xfer = self._agent.createXferReq(
-            self._bind.NIXL_READ, self._bind.nixlXferDList(self._mems[local_mem], local_rows),
-            self._bind.nixlXferDList(self._mems[remote_mem], remote_rows), peer, b"",
-            [self._ucx])
+    def start_read(self, local_rows, local_mem: str, remote_rows, remote_mem: str, peer: str,
+                   timeout: float, cancelled: threading.Event,
+                   what: str) -> concurrent.futures.Future:
+        """Queues local_rows[i] <- remote_rows[i] for every row (address, bytes, device id)
+        on the agent's thread: post, poll until done, release. The future's result is None
+        once the READ is done; it raises KVTransferFailed when NIXL failed it, when it
+        outlasted `timeout` seconds or when `cancelled` was set (an unfinished transfer is
+        cancelled by its release, so no byte lands after the future is over)."""
+        return self._thread.submit(self._read, local_rows, local_mem, remote_rows,
+                                   remote_mem, peer, time.monotonic() + timeout, cancelled,
+                                   what)
+
+    def _read(self, local_rows, local_mem, remote_rows, remote_mem, peer, deadline,
+              cancelled, what) -> None:
+        if cancelled.is_set():
+            raise KVTransferFailed(f"{what}: cancelled before it started")
+        xfer = None
         try:
-            return xfer, self._state(self._agent.postXferReq(xfer, b""))
-        except Exception:
-            self.release(xfer)
+            xfer = self._agent.createXferReq(
+                self._bind.NIXL_READ, self._bind.nixlXferDList(self._mems[local_mem],
+                                                               local_rows),
+                self._bind.nixlXferDList(self._mems[remote_mem], remote_rows), peer, b"",
+                [self._ucx])
+            state = self._state(self._agent.postXferReq(xfer, b""))
+            delay = 0.0
+            while state == "PROC":
+                if cancelled.is_set():
+                    raise KVTransferFailed(f"{what}: cancelled")
+                if time.monotonic() > deadline:
+                    raise KVTransferFailed(f"{what}: not done in time")
+                time.sleep(delay)
+                delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
+                state = self._state(self._agent.getXferStatus(xfer))
+            if state != "DONE":
+                raise KVTransferFailed(f"{what}: NIXL reports {state}")
+        except KVTransferFailed:
             raise
-
-    def state(self, xfer) -> str:
-        return self._state(self._agent.getXferStatus(xfer))
-
-    def release(self, xfer) -> None:
-        """Frees a transfer; an unfinished one is cancelled (raises if it cannot be)."""
-        self._agent.releaseXferReq(xfer)
+        except Exception as exc:  # NIXL's errors: unknown agent, bad descriptors, ...
+            raise KVTransferFailed(f"{what}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if xfer is not None:
+                try:
+                    self._agent.releaseXferReq(xfer)
+                except Exception as exc:
+                    logger.error("%s: releasing the transfer failed (%s); its blocks may "
+                                 "still be written", what, exc)
 
     def _state(self, status) -> str:
         if status == self._bind.NIXL_SUCCESS:
@@ -120,3 +180,14 @@ class NixlAgent:
         if status == self._bind.NIXL_IN_PROG:
             return "PROC"
         return f"ERR ({status})"
+
+    def close(self) -> None:
+        """Stops the agent's thread once what was queued there has run."""
+        self._thread.shutdown(wait=True)
+
+
+def _use_device(cuda_device: int | None) -> None:
+    if cuda_device is not None:
+        import torch
+
+        torch.cuda.set_device(cuda_device)

@@ -9,6 +9,7 @@ one host), from host ("DRAM") and GPU ("VRAM") caches alike.
     read = agent.post_read(peer, src_ids, dst_ids, timeout)  # a TP rank: polled by rank 0
     read.check() -> done?; read.num_bytes; read.cancel()
     agent.remove_peer(peer)                       # the peer restarted (new export_id)
+    agent.close()                                 # at shutdown
 
 Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
 
@@ -24,8 +25,8 @@ Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
   returns only after NIXL reported the READ done, or after cancelling it (release of an
   unfinished transfer aborts it), so no byte lands after the request was aborted and its
   blocks freed.
-* Every NIXL call is made on one thread (the event loop, after construction): the agent uses
-  NIXL's unsynchronized mode.
+* Every NIXL call is made on the agent's own thread (nixl_agent.py), which also runs each
+  READ from post to release: neither the event loop nor the engine thread waits on one.
 
 nixl is imported only when an agent is created (nixl_agent.py): importing this module needs
 no NIXL.
@@ -33,9 +34,10 @@ no NIXL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import concurrent.futures
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,14 +50,13 @@ from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.layout import KVLayout
-from tandem.workers.kv.nixl_agent import MEM_TYPES, NixlAgent, NixlUnavailable, is_installed
-from tandem.workers.kv.transport import KVTransferFailed
+from tandem.workers.kv.nixl_agent import (MAX_POLL_SECONDS, MEM_TYPES, NixlAgent,
+                                          NixlUnavailable, is_installed)
 
-__all__ = ["NixlKVAgent", "NixlPeer", "NixlUnavailable", "TensorBlocks", "block_runs",
+__all__ = ["MAX_POLL_SECONDS", "NixlKVAgent", "NixlPeer", "NixlUnavailable", "PostedRead",
+           "TensorBlocks", "block_runs",
            "descriptor_rows", "is_installed", "registration_regions"]
 logger = get_logger(__name__)
-MAX_POLL_SECONDS = 0.002  # longest sleep between two checks of a posted READ
-_DRAIN_STREAM = object()  # what _read_steps yields to have the device's stream drained first
 
 
 @dataclass(frozen=True)
@@ -151,14 +152,15 @@ class NixlKVAgent:
         self.tensors = [tensor_blocks(t) for t in tensors]
         self.export_id = uuid.uuid4().hex
         name = f"tandem-{socket.gethostname()}-{os.getpid()}-{self.export_id[:8]}"
-        self._agent = NixlAgent(name)
+        self._agent = NixlAgent(name, self.device.index or 0
+                                if self.device.type == "cuda" else None)
         started = time.monotonic()
         regions = registration_regions(
             self.tensors, [t.untyped_storage().data_ptr() for t in tensors])
         try:
-            with self._on_device():
-                self._registered = self._agent.register(regions, self.mem_type)
+            self._registered = self._agent.register(regions, self.mem_type)
         except Exception as exc:  # NIXL raises its own exception types
+            self._agent.close()
             raise NixlUnavailable(f"registering the KV cache ({len(regions)} {self.mem_type} "
                                   f"regions) with NIXL failed: {exc}") from exc
         self.name = name
@@ -223,126 +225,96 @@ class NixlKVAgent:
                           timeout: float) -> int:
         """Local block dst_ids[i] of every cache tensor <- the peer's block src_ids[i], by one
         NIXL READ; returns the bytes read once it completed. Raises ValueError on bad ids and
-        KVTransferFailed when the READ fails or outlasts `timeout` seconds (then cancelled).
-        Waits on the event loop (its thread makes every NIXL call)."""
-        steps = self._read_steps(peer, src_ids, dst_ids, timeout)
+        KVTransferFailed when the READ fails or outlasts `timeout` seconds. A cancelled
+        caller cancels the READ and returns only once no byte can land any more."""
+        rows = self._rows(peer, src_ids, dst_ids)
+        if rows is None:
+            return 0
+        if self.device.type == "cuda":  # kernels queued before the blocks were reserved
+            await asyncio.to_thread(torch.cuda.current_stream(self.device).synchronize)
+        read = self._start(peer, rows, len(src_ids), timeout)
         try:
-            while True:
-                pause = next(steps)
-                if pause is _DRAIN_STREAM:
-                    await asyncio.to_thread(torch.cuda.current_stream(self.device).synchronize)
-                else:
-                    await asyncio.sleep(pause)
-        except StopIteration as done:
-            return done.value
-        finally:
-            steps.close()  # cancelled mid-READ: the generator's finally cancels the transfer
+            await asyncio.wrap_future(read.future)
+        except asyncio.CancelledError:
+            read.cancel()  # waits (on the loop) for a READ already inside NIXL's post
+            raise
+        return read.num_bytes
 
     def post_read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
                   timeout: float) -> PostedRead:
         """read_blocks for a caller that polls instead of waiting (a TP rank's command loop,
-        between engine steps): the READ is posted now; PostedRead.check asks NIXL once.
-        Raises as read_blocks does."""
-        read = PostedRead(self._read_steps(peer, src_ids, dst_ids, timeout), self.device)
-        read.check()
-        return read
+        between engine steps): the READ starts on the agent's thread now; PostedRead.check
+        says whether it is over. Raises ValueError on bad ids."""
+        rows = self._rows(peer, src_ids, dst_ids)
+        if rows is None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return PostedRead(done, threading.Event(), 0)
+        if self.device.type == "cuda":  # kernels queued before the blocks were reserved
+            torch.cuda.current_stream(self.device).synchronize()
+        return self._start(peer, rows, len(src_ids), timeout)
 
-    def _read_steps(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
-                    timeout: float):
-        """The READ as a generator: it yields _DRAIN_STREAM (wait for this device's queued
-        kernels) or seconds to pause between polls, and returns the bytes read."""
+    def _rows(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int]):
+        """(local rows, remote rows) of NIXL descriptors for the blocks, None for no block;
+        ValueError on bad ids."""
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"nixl: {len(src_ids)} source blocks for {len(dst_ids)} "
                              f"destination blocks")
         _check_ids("source", src_ids, min(t.num_blocks for t in peer.tensors))
         _check_ids("destination", dst_ids, min(t.num_blocks for t in self.tensors))
         if not src_ids:
-            return 0
+            return None
         merge = all(t.block_stride_bytes == t.block_bytes
                     for t in (*peer.tensors, *self.tensors))
         runs = block_runs(src_ids, dst_ids, merge)
-        remote_rows = descriptor_rows(peer.tensors, runs[:, 0], runs[:, 2])
-        local_rows = descriptor_rows(self.tensors, runs[:, 1], runs[:, 2])
-        if self.device.type == "cuda":  # kernels queued before the blocks were reserved
-            yield _DRAIN_STREAM
-        what = (f"NIXL READ of {len(src_ids)} blocks ({len(local_rows)} descriptors) from "
+        return (descriptor_rows(self.tensors, runs[:, 1], runs[:, 2]),
+                descriptor_rows(peer.tensors, runs[:, 0], runs[:, 2]))
+
+    def _start(self, peer: NixlPeer, rows, num_blocks: int, timeout: float) -> PostedRead:
+        local_rows, remote_rows = rows
+        what = (f"NIXL READ of {num_blocks} blocks ({len(local_rows)} descriptors) from "
                 f"agent {peer.agent_name}")
-        deadline = time.monotonic() + timeout
-        xfer = None
-        try:
-            with self._on_device():
-                xfer, state = self._agent.post_read(local_rows, self.mem_type, remote_rows,
-                                                    peer.mem_type, peer.agent_name)
-            delay = 0.0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise KVTransferFailed(f"{what}: not done after {timeout:.1f} s")
-                yield delay
-                delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
-                with self._on_device():
-                    state = self._agent.state(xfer)
-            if state != "DONE":
-                raise KVTransferFailed(f"{what}: NIXL reports {state}")
-        except KVTransferFailed:
-            raise
-        except Exception as exc:  # NIXL's errors: unknown agent, bad descriptors, ...
-            raise KVTransferFailed(f"{what}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            if xfer is not None:
-                self._release(xfer, what)
-        return len(src_ids) * sum(t.block_bytes for t in self.tensors)
-
-    def _on_device(self):
-        """The cache's GPU as this thread's current device (its CUDA context current), for
-        UCX's CUDA calls; nothing on CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.device(self.device)
-        return contextlib.nullcontext()
-
-    def _release(self, xfer, what: str) -> None:
-        """Frees a transfer; an unfinished one (timeout, cancelled request) is cancelled."""
-        try:
-            with self._on_device():
-                self._agent.release(xfer)
-        except Exception as exc:
-            logger.error("%s: releasing the transfer failed (%s); its blocks may still be "
-                         "written", what, exc)
+        cancelled = threading.Event()
+        future = self._agent.start_read(local_rows, self.mem_type, remote_rows,
+                                        peer.mem_type, peer.agent_name, timeout, cancelled,
+                                        what)
+        return PostedRead(future, cancelled,
+                          num_blocks * sum(t.block_bytes for t in self.tensors))
 
     def close(self) -> None:
-        """Deregisters the cache, at shutdown: a peer's READ in flight then fails, as it would
-        when the process exits."""
+        """Deregisters the cache, at shutdown (a peer's READ in flight then fails, as it would
+        when the process exits), and stops the agent's thread."""
         try:
-            with self._on_device():
-                self._agent.deregister(self._registered)
+            self._agent.deregister(self._registered)
         except Exception as exc:  # shutting down anyway
             logger.warning("NIXL agent %s: deregistering the cache failed: %s", self.name, exc)
+        self._agent.close()
 
 
 class PostedRead:
-    """One READ driven by someone else's polls. check() drains the device's stream where the
-    READ needs it (once, at post), then asks NIXL once; it returns True once the READ is
-    done (num_bytes then set) and raises KVTransferFailed / ValueError when it failed or
-    outlasted its timeout (the transfer is then released). cancel() aborts an unfinished READ
-    (releasing it), so no byte lands afterwards; a finished or failed one is left as it is."""
+    """One READ running on its agent's thread. check() is True once it is done and raises
+    KVTransferFailed when it failed or outlasted its timeout; cancel() stops an unfinished
+    READ and returns once no byte can land any more (a finished or failed one is left as
+    it is)."""
 
-    def __init__(self, steps, device: torch.device) -> None:
-        self._steps = steps  # NixlKVAgent._read_steps, not yet started
-        self._device = device
-        self.num_bytes: int | None = None
+    def __init__(self, future: concurrent.futures.Future, cancelled: threading.Event,
+                 num_bytes: int) -> None:
+        self.future = future
+        self._cancelled = cancelled
+        self.num_bytes = num_bytes
 
     def check(self) -> bool:
-        if self.num_bytes is not None:
-            return True
-        try:
-            while next(self._steps) is _DRAIN_STREAM:
-                torch.cuda.current_stream(self._device).synchronize()
-        except StopIteration as done:
-            self.num_bytes = done.value
-            return True
-        return False
+        if not self.future.done():
+            return False
+        self.future.result()
+        return True
 
     def cancel(self) -> None:
-        self._steps.close()  # the generator's finally releases an unfinished transfer
+        self._cancelled.set()
+        try:
+            self.future.result()
+        except BaseException:  # failed or cancelled: either way over
+            pass
 
 
 def _check_ids(side: str, ids: list[int], num_blocks: int) -> None:

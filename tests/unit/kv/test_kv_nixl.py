@@ -5,6 +5,7 @@ descriptor arithmetic, mismatches and failures (handle released, source gone).""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -185,6 +186,38 @@ def test_a_read_from_a_vanished_agent_fails_with_its_name():
             asyncio.run(rx.agent.read_blocks(peer, [8, 9, 1], [3, 4, 5], timeout=5.0))
     finally:
         own.kill()
+
+
+def test_a_cancelled_read_writes_nothing_after_the_cancel_and_the_agent_reads_on(source):
+    """A caller that goes away: a READ cancelled before its turn on the agent's thread never
+    starts (its blocks stay zero), one cancelled mid-way re-raises CancelledError only once
+    it is over, and the agent's thread then serves the next READ bit for bit."""
+    from tandem.workers.kv.transport import KVTransferFailed
+
+    rx = Receiver("mha")
+    asyncio.run(rx.pull(source, "mha", "killed", [1, 2, 3]))  # loads the agent
+    peer = rx.receiver.nixl.loaded(source.address("mha"))
+    src_ids = HANDLES["scattered"]
+    gate = threading.Event()
+    rx.agent._agent._thread.submit(gate.wait)  # hold the agent's thread busy
+    read = rx.agent.post_read(peer, src_ids, DST_IDS, timeout=5.0)
+    threading.Timer(0.2, gate.set).start()
+    read.cancel()  # returns once the queued READ has run (and refused to start)
+    with pytest.raises(KVTransferFailed, match="cancelled before it started"):
+        read.check()
+    assert not any(t[DST_IDS].view(torch.int16).any() for t in flat_caches(rx.caches))
+
+    async def cancel_mid_read():
+        task = asyncio.create_task(rx.agent.read_blocks(peer, src_ids, DST_IDS, timeout=5.0))
+        await asyncio.sleep(0)  # it starts
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await rx.agent.read_blocks(peer, src_ids, DST_IDS, timeout=5.0)
+
+    assert asyncio.run(cancel_mid_read()) > 0
+    for s, d in zip(flat_caches(make_caches("mha", NUM_BLOCKS)), flat_caches(rx.caches)):
+        assert same_bytes(s[src_ids], d[DST_IDS])
 
 
 def test_block_runs_merge_consecutive_ids_on_both_sides():
