@@ -8,6 +8,11 @@ random bf16 weights built on the GPUs (load_format="dummy"), `batch` requests wh
 the step, sampling: what a request's TPOT is made of). The table gives the median step per
 batch and the graphs' speedup over eager at the same TP size. Needs as many GPUs as the
 largest --tp.
+
+--profile adds, for each graphs run, a torch.profiler trace of --profile-steps engine steps at
+the first batch size on rank 0 (CPU and CUDA activity: the kernels its graph replays run, the
+host work around them, gloo's broadcast of the step's inputs included), printed as two tables
+after the main one: by GPU time and by host time.
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--child-timeout", type=float, default=300.0,
                    help="seconds one (TP size, mode) run may take")
+    p.add_argument("--profile", action="store_true", help="profile rank 0's graphed steps")
+    p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--one", help=argparse.SUPPRESS)  # "TP,eager|graphs,MODEL_DIR": a child run
     return p.parse_args(argv)
 
@@ -60,11 +67,34 @@ def run_one(args: argparse.Namespace) -> dict:
                 engine.step()
                 times.append(time.perf_counter() - started)
             result["ms"][batch] = statistics.median(times[3:]) * 1e3
+            if args.profile and result["graphed"] and "profile" not in result:
+                result["profile"] = profile_steps(engine, batch, args.profile_steps)
             for request_id in ids:
                 engine.abort(request_id)
     finally:
         engine.shutdown()
     return result
+
+
+def profile_steps(engine, batch: int, steps: int) -> str:
+    """Rank 0's view of `steps` engine steps: kernels by GPU time, host ops by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / steps
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
+    head = (f"batch {batch}, {steps} profiled steps: {wall * 1e3:.2f} ms per step (profiler "
+            f"on), GPU kernels busy {gpu:.2f} ms per step")
+    return "\n".join([head, events.table(sort_by="self_cuda_time_total", row_limit=15,
+                                          max_name_column_width=60),
+                      events.table(sort_by="self_cpu_time_total", row_limit=15,
+                                   max_name_column_width=60)])
 
 
 def main(argv=None) -> int:
@@ -87,7 +117,9 @@ def main(argv=None) -> int:
                     child = subprocess.run(
                         [sys.executable, "-m", "tandem.bench.tp_decode", "--batches",
                          args.batches, "--context", str(args.context), "--steps",
-                         str(args.steps), "--one", f"{tp},{mode},{model_dir}"],
+                         str(args.steps), "--profile-steps", str(args.profile_steps),
+                         *(["--profile"] if args.profile else []),
+                         "--one", f"{tp},{mode},{model_dir}"],
                         capture_output=True, text=True, timeout=args.child_timeout)
                 except subprocess.TimeoutExpired as exc:
                     print(f"TP {tp} {mode}: no result in {args.child_timeout:g} s\n"
@@ -113,6 +145,9 @@ def main(argv=None) -> int:
         if mode == "graphs" and tp in eager:
             speedup = " ".join(f"{eager[tp][b] / v:8.2f}x" for b, v in ms.items())
             print(f"{'':>3} {'speedup':<7} {'':<8} {speedup}")
+    for tp, mode, result in rows:
+        if "profile" in result:
+            print(f"\nTP {tp} {mode}, rank 0: {result['profile']}")
     return 0
 
 
