@@ -76,6 +76,15 @@ def compare_matmul_forms(copy_bps: float) -> list[str]:
     return lines
 
 
+# block_n x block_k x warps x stages. The first sweep (H100, tune-gemv-h100.log) covered
+# (4, 8, 16) x (256, 512, 1024) x (4, 8) x (3,); 256-wide K and 4 warps never won there. An
+# H200 moves 1.5x the bytes per second, so it needs more in flight: wider K, more warps and
+# deeper pipelines are in the space too.
+GEMV_SPACE = [(*shape, 3) for shape in itertools.product((4, 8, 16), (512, 1024), (4, 8))] + [
+    shape for shape in itertools.product((4, 8, 16), (1024, 2048), (8, 16), (2, 3, 4))
+    if not (shape[1] == 1024 and shape[2] == 8 and shape[3] == 3)]
+
+
 def tune_gemv(copy_bps: float) -> list[str]:
     """The one-row fused GEMV at Llama-8B's projections (engine_ops.PROJECTIONS), cold weights."""
     lines = []
@@ -87,8 +96,7 @@ def tune_gemv(copy_bps: float) -> list[str]:
         res = torch.randn_like(x) if norm else None
         results = []
         default = default_config(n // 2 if silu else n, k, silu)
-        for block_n, block_k, warps, stages in itertools.product(
-                (4, 8, 16), (256, 512, 1024), (4, 8), (3,)):
+        for block_n, block_k, warps, stages in GEMV_SPACE:
             cfg = {"block_n": block_n, "block_k": block_k, "num_warps": warps,
                    "num_stages": stages}
             try:
