@@ -102,7 +102,8 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
 def default_config(n: int, k: int, silu_mul: bool) -> dict:
     """Launch settings, from bench/tune_kernels.py --gemv on an H100 at Llama-8B's projections
     (bench/results/tune-gemv-h100.log): 1024-wide K slices, 8 warps, 8 output columns per
-    program (4 gate + 4 up columns for SILU_MUL); 83-103% of copy bandwidth."""
+    program (4 gate + 4 up columns for SILU_MUL); 83-103% of copy bandwidth. On an H200 they
+    reach 75-97% and the best of a wider sweep gains only 1-4% (tune-gemv-h200-s10.log)."""
     return {"block_n": 4 if silu_mul else 8, "block_k": 1024, "num_warps": 8,
             "num_stages": 3}
 
