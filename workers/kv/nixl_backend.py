@@ -52,6 +52,7 @@ from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.nixl_agent import (MAX_POLL_SECONDS, MEM_TYPES, NixlAgent,
                                           NixlUnavailable, is_installed)
+from tandem.workers.kv.transport import KVTransferFailed
 
 __all__ = ["MAX_POLL_SECONDS", "NixlKVAgent", "NixlPeer", "NixlUnavailable", "PostedRead",
            "TensorBlocks", "block_runs",
@@ -306,7 +307,10 @@ class PostedRead:
     def check(self) -> bool:
         if not self.future.done():
             return False
-        self.future.result()
+        try:
+            self.future.result()
+        except concurrent.futures.CancelledError as exc:  # dropped before its turn
+            raise KVTransferFailed("NIXL READ cancelled before it started") from exc
         return True
 
     def cancel(self) -> None:

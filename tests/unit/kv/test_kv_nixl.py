@@ -5,6 +5,7 @@ descriptor arithmetic, mismatches and failures (handle released, source gone).""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import grpc
@@ -218,6 +219,19 @@ def test_a_cancelled_read_writes_nothing_after_the_cancel_and_the_agent_reads_on
     assert asyncio.run(cancel_mid_read()) > 0
     for s, d in zip(flat_caches(make_caches("mha", NUM_BLOCKS)), flat_caches(rx.caches)):
         assert same_bytes(s[src_ids], d[DST_IDS])
+
+
+def test_a_read_dropped_before_its_turn_checks_as_failed():
+    """A READ whose future was cancelled before the agent's thread took it (an awaiting
+    caller went away) is a failed READ to whoever polls it, not an escaping CancelledError."""
+    from tandem.workers.kv.transport import KVTransferFailed
+
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.cancel()
+    read = nixl_backend.PostedRead(future, threading.Event(), 0)
+    with pytest.raises(KVTransferFailed, match="cancelled before it started"):
+        read.check()
+    read.cancel()  # already over: returns at once
 
 
 def test_block_runs_merge_consecutive_ids_on_both_sides():
