@@ -72,18 +72,21 @@ class ModelRunner:
             raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
         # [layer] -> that op's tensors, each [num_kv_blocks, block_size, ...]: (K, V) for MHA,
         # (latent,) for MLA, (latent, index keys) for sparse MLA. When every layer's tensors have
-        # one shape they are contiguous slices of one allocation, equally spaced (layer-major), so a
-        # KV transfer can gather a block of every layer in one kernel (kv/cuda_ipc.py stacked_view).
+        # one shape they are views of one block-major allocation [num_kv_blocks, tensors, block]:
+        # block b of every layer is one contiguous range, so a KV transfer moves a block in one
+        # piece (one NIXL descriptor instead of one per tensor; kv/nixl_backend.py) and one
+        # kernel gathers every layer (kv/cuda_ipc.py stacked_view). Each tensor's blocks are
+        # contiguous, its slots are not (ops index slots as block, offset: ops/kv_cache.py).
         shapes = [list(layer.kv_cache_shapes(num_kv_blocks, block_size)) for layer in layers]
         stack = None
         if all(shape == shapes[0][0] for layer_shapes in shapes for shape in layer_shapes):
-            stack = torch.zeros((sum(map(len, shapes)), *shapes[0][0]), dtype=dtype,
-                                device=device)
+            stack = torch.zeros((num_kv_blocks, sum(map(len, shapes)), *shapes[0][0][1:]),
+                                dtype=dtype, device=device)
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         next_slice = 0
         for layer, layer_shapes in zip(layers, shapes):
             if stack is not None:
-                caches = tuple(stack[next_slice + i] for i in range(len(layer_shapes)))
+                caches = tuple(stack[:, next_slice + i] for i in range(len(layer_shapes)))
                 next_slice += len(layer_shapes)
             else:
                 caches = tuple(torch.zeros(shape, dtype=dtype, device=device)

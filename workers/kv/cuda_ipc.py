@@ -70,14 +70,19 @@ def flat_caches(kv_caches: KVCaches) -> list[torch.Tensor]:
 
 
 def stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One [len(tensors), *shape] view of tensors that are equally spaced slices of one
-    storage (as ModelRunner allocates them), else None. Lets one gather kernel serve every
-    layer."""
+    """One [len(tensors), *shape] view of tensors that are equally spaced, non-overlapping
+    views of one storage with contiguous blocks (as ModelRunner allocates them: block-major,
+    tensor t's block b at b * stride(0) + t * spacing; or layer-major, one tensor after the
+    other), else None. Lets one gather kernel serve every layer."""
     first = tensors[0]
     if len(tensors) == 1:
         return first.unsqueeze(0)
     spacing = tensors[1].storage_offset() - first.storage_offset()
-    if spacing < first.numel() or not first.is_contiguous():
+    block = first[0].numel()
+    extent = (first.shape[0] - 1) * first.stride(0) + block  # elements one tensor spans
+    layer_major = spacing >= extent
+    block_major = block <= spacing and len(tensors) * spacing <= first.stride(0)
+    if not first[0].is_contiguous() or not (layer_major or block_major):
         return None
     base = first.untyped_storage().data_ptr()
     for i, t in enumerate(tensors):

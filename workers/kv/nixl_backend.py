@@ -97,6 +97,23 @@ def tensor_blocks(tensor: torch.Tensor) -> TensorBlocks:
                         device_id)
 
 
+def whole_blocks(tensors: list[TensorBlocks]) -> TensorBlocks | None:
+    """The cache tensors as one, when they tile a block-major cache (ModelRunner's layout):
+    tensor i's block b starts at base + b * stride + i * block_bytes and the tensors fill the
+    stride, so a block of every tensor is one contiguous range (one descriptor instead of one
+    per tensor; both ends must tile for the rows to pair up). None otherwise."""
+    first = tensors[0]
+    stride = first.block_stride_bytes
+    for i, t in enumerate(tensors):
+        if (t.block_bytes != first.block_bytes or t.block_stride_bytes != stride
+                or t.num_blocks != first.num_blocks or t.device_id != first.device_id
+                or t.base_address != first.base_address + i * first.block_bytes):
+            return None
+    if len(tensors) * first.block_bytes != stride:
+        return None
+    return TensorBlocks(first.base_address, stride, stride, first.num_blocks, first.device_id)
+
+
 def registration_regions(tensors: list[TensorBlocks], storages: list[int]
                          ) -> list[tuple[int, int, int]]:
     """(address, bytes, device id) covering every tensor's blocks. Tensors of one storage
@@ -265,11 +282,14 @@ class NixlKVAgent:
         _check_ids("destination", dst_ids, min(t.num_blocks for t in self.tensors))
         if not src_ids:
             return None
-        merge = all(t.block_stride_bytes == t.block_bytes
-                    for t in (*peer.tensors, *self.tensors))
+        local, remote = self.tensors, peer.tensors
+        local_whole, remote_whole = whole_blocks(local), whole_blocks(remote)
+        if local_whole is not None and remote_whole is not None:  # both block-major
+            local, remote = [local_whole], [remote_whole]
+        merge = all(t.block_stride_bytes == t.block_bytes for t in (*remote, *local))
         runs = block_runs(src_ids, dst_ids, merge)
-        return (descriptor_rows(self.tensors, runs[:, 1], runs[:, 2]),
-                descriptor_rows(peer.tensors, runs[:, 0], runs[:, 2]))
+        return (descriptor_rows(local, runs[:, 1], runs[:, 2]),
+                descriptor_rows(remote, runs[:, 0], runs[:, 2]))
 
     def _start(self, peer: NixlPeer, rows, num_blocks: int, timeout: float) -> PostedRead:
         local_rows, remote_rows = rows

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.kv_cache import write_slots
 from tandem.workers.ops.linear import tp_rank_and_size
 
 
@@ -154,9 +155,8 @@ class Attention(nn.Module):
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    write_slots(k_cache, slot_mapping, k)
+    write_slots(v_cache, slot_mapping, v)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.workers.ops.kv_cache import write_slots
+
 # Bounds the [chunk, Hi, S] fp32 score tensor of a long prefill (about 256 MB).
 MAX_SCORE_ELEMENTS = 1 << 26
 
@@ -45,8 +47,7 @@ class IndexerInputs:
 def write_index_keys(index_k: torch.Tensor, index_key_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """Row slot_mapping[t] of the cache becomes index_k[t]."""
-    flat = index_key_cache.view(-1, index_key_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping, index_k.to(index_key_cache.dtype))
+    write_slots(index_key_cache, slot_mapping, index_k[:, None])
 
 
 def topk_visibility(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

@@ -13,6 +13,12 @@ The runner allocates them, zeroed, in the model's dtype and on its device, and h
 through `bind_kv_cache` in the same order. Block b of every tensor of every layer belongs to the
 same block-manager block b, and slot s (block * block_size + offset) of every tensor holds the
 same token: an op writes all of its tensors' rows for a token in the same step.
+
+A tensor's blocks are each contiguous, but its slots need not be: the runner lays caches out
+block-major (a block of every layer together), so block b starts b * stride(0) elements in and
+slot s lives at (s // block_size) * stride(0) + (s % block_size) * stride(1). Ops address
+slots that way (write_slots here; gpu/kv_cache.slot_offset in kernels), never through
+cache.view(-1, ...).
 """
 from __future__ import annotations
 
@@ -22,6 +28,14 @@ import torch
 
 Shape = tuple[int, ...]
 KV_CACHE_KINDS = ("mha", "mla", "mla_indexer")
+
+
+def write_slots(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, ...] row slot_mapping[t] <- rows[t] (cast to its dtype).
+    Slots must be >= 0: the torch ops run eagerly, while the padded rows of a CUDA-graph batch
+    (slot -1) only ever reach the GPU kernels, which skip them."""
+    block_size = cache.shape[1]
+    cache[slot_mapping // block_size, slot_mapping % block_size] = rows.to(cache.dtype)
 
 
 @runtime_checkable

@@ -43,6 +43,7 @@ from torch import nn
 
 from tandem.workers.ops.attention import AttentionMetadata, gather_kv
 from tandem.workers.ops.backend import KernelBackend
+from tandem.workers.ops.kv_cache import write_slots
 
 
 class MLAAttention(nn.Module):
@@ -116,7 +117,7 @@ def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: tor
                        slot_mapping: torch.Tensor) -> None:
     """Row slot_mapping[t] of the cache becomes [kv_c[t] | k_pe[t]]."""
     rows = torch.cat((kv_c, k_pe), dim=-1).to(latent_cache.dtype)  # [T, R + P]
-    latent_cache.view(-1, latent_cache.shape[-1]).index_copy_(0, slot_mapping, rows)
+    write_slots(latent_cache, slot_mapping, rows[:, None])
 
 
 def mla_attention_torch(q_nope: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,

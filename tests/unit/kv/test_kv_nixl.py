@@ -241,6 +241,22 @@ def test_block_runs_merge_consecutive_ids_on_both_sides():
     assert block_runs([], []).shape == (0, 3)
 
 
+def test_block_major_tensors_read_as_one_descriptor_per_run():
+    """The runner's block-major cache: the tensors of a block are one range, so a run of
+    blocks is one descriptor; anything else keeps one descriptor per tensor and run."""
+    stack = torch.zeros(6, 4, 8, dtype=torch.bfloat16)  # [blocks, tensors, block]
+    tensors = [nixl_backend.tensor_blocks(stack[:, i]) for i in range(4)]
+    whole = nixl_backend.whole_blocks(tensors)
+    assert whole == TensorBlocks(stack.data_ptr(), 64, 64, 6, 0)
+    rows = descriptor_rows([whole], np.array([1, 4]), np.array([2, 1]))
+    assert rows.tolist() == [[stack.data_ptr() + 64, 128, 0], [stack.data_ptr() + 256, 64, 0]]
+    assert nixl_backend.whole_blocks(tensors[:3]) is None  # does not fill the block
+    assert nixl_backend.whole_blocks([tensors[1], tensors[0]]) is None  # out of order
+    layer_major = torch.zeros(4, 6, 8, dtype=torch.bfloat16)
+    assert nixl_backend.whole_blocks(
+        [nixl_backend.tensor_blocks(layer_major[i]) for i in range(4)]) is None
+
+
 def test_descriptor_rows_cover_each_run_of_each_tensor():
     tensors = [TensorBlocks(1000, 64, 64, 10, 0), TensorBlocks(5000, 16, 16, 10, 1)]
     rows = descriptor_rows(tensors, np.array([0, 7]), np.array([3, 1]))

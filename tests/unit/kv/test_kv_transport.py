@@ -167,6 +167,17 @@ def test_stacked_view_of_runner_style_caches():
         assert torch.equal(dst[i][ids_dst], t[ids_src])
 
 
+def test_stacked_view_of_block_major_caches():
+    """The runner's layout: [blocks, tensors, block] with tensor t = stack[:, t]."""
+    stack = torch.arange(5 * 4 * 2 * 3, dtype=torch.float32).reshape(5, 4, 2, 3)
+    flat = flat_caches([(stack[:, 0], stack[:, 1]), (stack[:, 2], stack[:, 3])])
+    view = stacked_view(flat)
+    assert view is not None and view.data_ptr() == stack.data_ptr()
+    assert torch.equal(view, stack.transpose(0, 1))
+    assert stacked_view([stack[:, 0], stack[:, 2]]) is not None  # every other tensor: fits
+    assert stacked_view([stack[:, 0], stack[:, 2], stack[:, 4 - 1]]) is None  # uneven
+
+
 def test_stacked_view_refuses_separate_tensors():
     separate = [torch.zeros(3, 2), torch.zeros(3, 2)]
     assert stacked_view(separate) is None

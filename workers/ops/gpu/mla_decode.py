@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.kv_cache import slot_offset
 from tandem.workers.ops.gpu.paged_decode import (combine_splits, num_splits_for,
                                                  online_softmax_step)
 
@@ -166,7 +167,8 @@ def mla_decode_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
 
 @triton.jit
 def _write_latent_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c_tok, stride_pe_tok,
-                         stride_cache_slot, LORA_RANK: tl.constexpr, LORA_PAD: tl.constexpr,
+                         stride_cache_block, stride_cache_slot, BLOCK_SIZE: tl.constexpr,
+                         LORA_RANK: tl.constexpr, LORA_PAD: tl.constexpr,
                          ROPE_DIM: tl.constexpr, ROPE_PAD: tl.constexpr):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -177,7 +179,7 @@ def _write_latent_kernel(kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr, stride_c_tok, 
         mask_p = offs_p < ROPE_DIM
         c = tl.load(kv_c_ptr + tok * stride_c_tok + offs_r, mask=mask_r)
         pe = tl.load(k_pe_ptr + tok * stride_pe_tok + offs_p, mask=mask_p)
-        row = cache_ptr + slot * stride_cache_slot
+        row = cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_cache_block, stride_cache_slot)
         tl.store(row + offs_r, c.to(cache_ptr.dtype.element_ty), mask=mask_r)
         tl.store(row + LORA_RANK + offs_p, pe.to(cache_ptr.dtype.element_ty), mask=mask_p)
 
@@ -196,8 +198,8 @@ def write_latent_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, latent_cache: tor
                          f"row of {latent_cache.shape[-1]}")
     if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
         raise ValueError("kv_c and k_pe need a contiguous last dim")
-    rows = latent_cache.view(-1, latent_cache.shape[-1])  # [slots, R + P]
     _write_latent_kernel[(num_tokens,)](
-        kv_c, k_pe, rows, slot_mapping, kv_c.stride(0), k_pe.stride(0), rows.stride(0),
+        kv_c, k_pe, latent_cache, slot_mapping, kv_c.stride(0), k_pe.stride(0),
+        latent_cache.stride(0), latent_cache.stride(1), BLOCK_SIZE=latent_cache.shape[1],
         LORA_RANK=lora_rank, LORA_PAD=triton.next_power_of_2(lora_rank), ROPE_DIM=rope_dim,
         ROPE_PAD=triton.next_power_of_2(rope_dim), num_warps=4)

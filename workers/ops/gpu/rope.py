@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.kv_cache import slot_offset
 from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 
@@ -51,8 +52,9 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                  k_cache_ptr, v_cache_ptr,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                  stride_v_tok, stride_v_head, stride_table,
-                 stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-                 NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                 stride_kc_block, stride_kc_slot, stride_kc_head,
+                 stride_vc_block, stride_vc_slot, stride_vc_head,
+                 BLOCK_SIZE: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                  Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -72,22 +74,23 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     if WRITE_KV:
         slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
+        k_slot = k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kc_block, stride_kc_slot)
+        v_slot = v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vc_block, stride_vc_slot)
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
-                      HALF_PAD, NEOX, k_cache_ptr + slot * stride_kc_slot, stride_kc_head,
-                      True)
+                      HALF_PAD, NEOX, k_slot, stride_kc_head, True)
         offs_h = tl.arange(0, K_HEADS_PAD)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         mask_h = offs_h[:, None] < NUM_K_HEADS
         if 2 * HALF < HEAD_DIM:  # partial rotary: the untouched dims go to the cache as-is
             mask_p = mask_h & (offs_d[None, :] >= 2 * HALF) & (offs_d[None, :] < HEAD_DIM)
             kp = tl.load(k_row + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask_p)
-            tl.store(k_cache_ptr + slot * stride_kc_slot + offs_h[:, None] * stride_kc_head
-                     + offs_d[None, :], kp.to(k_cache_ptr.dtype.element_ty), mask=mask_p)
+            tl.store(k_slot + offs_h[:, None] * stride_kc_head + offs_d[None, :],
+                     kp.to(k_cache_ptr.dtype.element_ty), mask=mask_p)
         mask_v = mask_h & (offs_d[None, :] < HEAD_DIM)
         v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head
                     + offs_d[None, :], mask=mask_v)
-        tl.store(v_cache_ptr + slot * stride_vc_slot + offs_h[:, None] * stride_vc_head
-                 + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(v_slot + offs_h[:, None] * stride_vc_head + offs_d[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
     else:  # no cache write (or a padding row): rotate k in place only
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
                       HALF_PAD, NEOX, k_ptr, 0, False)
@@ -105,18 +108,17 @@ def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("RoPE kernels need a contiguous head_dim")
     if kv_write is not None:
-        _, k_cache, v_cache, slots = kv_write
-        kc = k_cache.view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
-        vc = v_cache.view(-1, num_kv_heads, head_dim)
-    else:
-        kc, vc, slots = k, k, positions  # unread: WRITE_KV is off
+        _, kc, vc, slots = kv_write  # caches [blocks, block_size, KVH, D]
+        cache_strides = (*kc.stride()[:3], *vc.stride()[:3])
+        block_size = kc.shape[1]
+    else:  # unread: WRITE_KV is off
+        kc, vc, slots, cache_strides, block_size = k, k, positions, (0,) * 6, 1
     half = cos.shape[1]
     pdl = pdl_enabled(q.device)
     _rope_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin, slots, kc, vc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=num_kv_heads,
+        cos.stride(0), *cache_strides, BLOCK_SIZE=block_size, NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=num_kv_heads,
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
