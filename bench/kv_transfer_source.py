@@ -39,11 +39,12 @@ def ends(args) -> tuple[str, str]:
 
 
 def make_caches(args, num_blocks: int, device: str):
-    """Caches shaped as ModelRunner allocates them: equally spaced slices of one tensor."""
+    """Caches laid out as ModelRunner allocates them: views of one block-major tensor
+    [blocks, layers * 2, block] (a block of every layer contiguous)."""
     dtype = getattr(torch, args.dtype)
-    stack = torch.empty((args.layers * 2, num_blocks, args.block_size, args.kv_heads,
+    stack = torch.empty((num_blocks, args.layers * 2, args.block_size, args.kv_heads,
                          args.head_dim), dtype=dtype, device=device)
-    return [(stack[2 * i], stack[2 * i + 1]) for i in range(args.layers)], stack
+    return [(stack[:, 2 * i], stack[:, 2 * i + 1]) for i in range(args.layers)], stack
 
 
 def fill_random_bits(stack: torch.Tensor) -> None:

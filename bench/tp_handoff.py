@@ -94,6 +94,14 @@ class BackgroundStream:
                 raise RuntimeError(f"the background stream gave {len(self.times)} tokens")
             time.sleep(0.01)
 
+    def wait_past(self, moment: float, timeout: float = 10.0) -> None:
+        """Until a token arrived after `moment` (so the gap spanning it is known), the stream
+        ended or `timeout` passed."""
+        deadline = time.monotonic() + timeout
+        while (not self.times or self.times[-1] < moment) and self._thread.is_alive() \
+                and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def stop(self) -> None:
         self._stream.cancel()
         self._thread.join(30)
@@ -128,9 +136,11 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
         for length in (int(n) for n in args.prompts.split(",")):
             samples = [one_request(client, [rng.randrange(vocab) for _ in range(length)])
                        for _ in range(args.requests + 1)][1:]
-            stall = (statistics.median(background.longest_gap(first, second)
-                                       for _, first, second in samples)
-                     if background else float("nan"))
+            stall = float("nan")
+            if background:
+                background.wait_past(samples[-1][2])  # the last handoff's gap, complete
+                stall = statistics.median(background.longest_gap(first, second)
+                                          for _, first, second in samples)
             rows[length] = (statistics.median(first - start for start, first, _ in samples),
                             statistics.median(second - first for _, first, second in samples),
                             stall)

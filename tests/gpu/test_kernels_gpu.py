@@ -21,6 +21,8 @@ from tandem.workers.ops.attention import (  # noqa: E402
     Attention, paged_attention_torch)
 from tandem.workers.ops.backend import KernelBackend  # noqa: E402
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
+from tandem.workers.ops.gpu.rope import rope_and_write_kv  # noqa: E402
+from tandem.workers.ops.kv_cache import write_slots  # noqa: E402
 from tandem.workers.ops.gpu.paged_decode import (  # noqa: E402
     num_splits_for, paged_decode_attention)
 from tandem.workers.ops.norm import RMSNorm  # noqa: E402
@@ -116,6 +118,45 @@ def test_kv_write_skips_padding_slots():
     flat[5] = 0.0
     flat[40] = 0.0
     assert not flat.any()  # nothing else written (an exact check, unlike comparing fp32 sums)
+
+
+def test_block_major_caches_write_and_read_like_contiguous_ones():
+    """The runner's block-major layout ([blocks, tensors, block], tensor i = stack[:, i]): the
+    KV write and the RoPE + KV write land each row where the torch reference (write_slots)
+    puts it, touch no other tensor of the stack, and decode attention over the strided caches
+    equals attention over contiguous copies, bit for bit."""
+    blocks, block_size, heads, kv_heads, dim = 40, 16, 8, 2, 64
+    stack = torch.zeros(blocks, 4, block_size, kv_heads, dim, device=DEV, dtype=torch.bfloat16)
+    k_cache, v_cache = stack[:, 1], stack[:, 2]
+    slots = torch.randperm(blocks * block_size, device=DEV)[:50]
+    k = torch.randn(50, kv_heads, dim, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    write_kv_cache(k, v, k_cache, v_cache, slots.int())
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    write_slots(want_k, slots, k)
+    write_slots(want_v, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert not stack[:, 0].any() and not stack[:, 3].any()
+    rope = RotaryEmbedding(dim, 4096, {"rope_type": "default", "rope_theta": 10000.0},
+                           backend=AITER).to(DEV)
+    q = torch.randn(50, heads, dim, device=DEV, dtype=torch.bfloat16)
+    positions = torch.randint(0, 4096, (50,), device=DEV)
+    stack.zero_()
+    q_ref, k_ref = rope(positions, q.clone(), k.clone())
+    rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, rope.is_neox_style, k_cache,
+                      v_cache, slots.int())
+    write_slots(want_k.zero_(), slots, k_ref)
+    assert torch.equal(q, q_ref) and torch.equal(k_cache, want_k)
+    assert torch.equal(v_cache, want_v) and not stack[:, 0].any() and not stack[:, 3].any()
+    stack.normal_()
+    tables = torch.randperm(blocks, device=DEV).view(2, 20).int()
+    seq_lens = torch.tensor([300, 77], device=DEV, dtype=torch.int32)
+    q1 = torch.randn(2, heads, dim, device=DEV, dtype=torch.bfloat16)
+    got = paged_decode_attention(q1, k_cache, v_cache, tables, seq_lens, dim ** -0.5,
+                                 num_splits=4)
+    ref = paged_decode_attention(q1, k_cache.contiguous(), v_cache.contiguous(), tables,
+                                 seq_lens, dim ** -0.5, num_splits=4)
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

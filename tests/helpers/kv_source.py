@@ -26,8 +26,8 @@ SEED = 99
 def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
                 ) -> list[tuple[torch.Tensor, ...]]:
     """bf16 caches of `kind` as model runners hold them; random bit patterns (NaNs included)
-    from `seed`, or zeros when seed is None. "mha" caches are slices of one stack (one NIXL
-    region); the MLA kinds allocate every tensor apart (one region each), and "mla_indexer"
+    from `seed`, or zeros when seed is None. "mha" caches are views of one block-major stack
+    (one NIXL region, one descriptor per block run); the MLA kinds allocate every tensor apart (one region each), and "mla_indexer"
     mixes widths."""
     widths = {"mha": (8, 8), "mla": (24,), "mla_indexer": (24, 8)}[kind]
     heads = 2 if kind == "mha" else 1
@@ -38,10 +38,10 @@ def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
             t.view(torch.int16).random_(-2**15, 2**15, generator=generator)
         return t
 
-    if kind == "mha":
-        stack = fill(torch.zeros((NUM_LAYERS * 2, num_blocks, BLOCK_SIZE, heads, widths[0]),
+    if kind == "mha":  # block-major, as ModelRunner allocates it
+        stack = fill(torch.zeros((num_blocks, NUM_LAYERS * 2, BLOCK_SIZE, heads, widths[0]),
                                  dtype=torch.bfloat16))
-        return [(stack[2 * i], stack[2 * i + 1]) for i in range(NUM_LAYERS)]
+        return [(stack[:, 2 * i], stack[:, 2 * i + 1]) for i in range(NUM_LAYERS)]
     return [tuple(fill(torch.zeros((num_blocks, BLOCK_SIZE, heads, w), dtype=torch.bfloat16))
                   for w in widths) for _ in range(NUM_LAYERS)]
 
