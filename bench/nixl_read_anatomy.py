@@ -9,6 +9,8 @@ exports its NIXL agent; this process loads it from cuda:1 and READs --blocks sca
 worker runs it: building the descriptor rows, createXferReq, postXferReq, and the status polls
 until done. Meanwhile a Python thread spins and records its longest stall: a NIXL call that
 holds the GIL would stall it as long as the call, one that releases it not at all.
+The caches here are separate tensors, so every layer's block is its own descriptor (as the
+runner's layer-major cache was); the runner's block-major cache now takes one per block run.
 """
 from __future__ import annotations
 
