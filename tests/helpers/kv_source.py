@@ -27,8 +27,8 @@ def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
                 ) -> list[tuple[torch.Tensor, ...]]:
     """bf16 caches of `kind` as model runners hold them; random bit patterns (NaNs included)
     from `seed`, or zeros when seed is None. "mha" caches are views of one block-major stack
-    (one NIXL region, one descriptor per block run); the MLA kinds allocate every tensor apart (one region each), and "mla_indexer"
-    mixes widths."""
+    (one NIXL region, one descriptor per block run); the MLA kinds allocate every tensor
+    apart (one region each), and "mla_indexer" mixes widths."""
     widths = {"mha": (8, 8), "mla": (24,), "mla_indexer": (24, 8)}[kind]
     heads = 2 if kind == "mha" else 1
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

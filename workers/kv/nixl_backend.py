@@ -170,8 +170,8 @@ class NixlKVAgent:
         self.tensors = [tensor_blocks(t) for t in tensors]
         self.export_id = uuid.uuid4().hex
         name = f"tandem-{socket.gethostname()}-{os.getpid()}-{self.export_id[:8]}"
-        self._agent = NixlAgent(name, self.device.index or 0
-                                if self.device.type == "cuda" else None)
+        cuda_device = (self.device.index or 0) if self.device.type == "cuda" else None
+        self._agent = NixlAgent(name, cuda_device)
         started = time.monotonic()
         regions = registration_regions(
             self.tensors, [t.untyped_storage().data_ptr() for t in tensors])

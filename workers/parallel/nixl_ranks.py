@@ -123,12 +123,11 @@ class RankNixl:
             logger.warning("rank %d: NIXL READ from unloaded source %d", self.rank, slot)
             return self._settle(transfer, FAILED, group)
         try:
-            read = self.agent.post_read(peer, src_ids, dst_ids, timeout)
+            self._reads[transfer] = self.agent.post_read(peer, src_ids, dst_ids, timeout)
         except (KVTransferFailed, ValueError) as exc:
             logger.warning("rank %d: NIXL READ from source %d failed: %s", self.rank, slot, exc)
             return self._settle(transfer, FAILED, group)
-        self._reads[transfer] = read
-        return self._settle(transfer, DONE if read.check() else PENDING, group)
+        return self.poll(transfer, False, group)  # it may already be over, or have failed
 
     def poll(self, transfer: int, cancel: bool, group: ProcessGroup | None) -> ReadOutcome:
         """Asks NIXL once about this rank's `transfer` (or cancels it); collective, as post.

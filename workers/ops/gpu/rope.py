@@ -118,7 +118,8 @@ def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
     _rope_kernel[(num_tokens,)](
         q, k, v, positions, cos, sin, slots, kc, vc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), *cache_strides, BLOCK_SIZE=block_size, NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=num_kv_heads,
+        cos.stride(0), *cache_strides, BLOCK_SIZE=block_size, NUM_Q_HEADS=q.shape[1],
+        NUM_K_HEADS=num_kv_heads,
         Q_HEADS_PAD=triton.next_power_of_2(q.shape[1]),
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
