@@ -50,11 +50,10 @@ from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.layout import KVLayout
-from tandem.workers.kv.nixl_agent import (MAX_POLL_SECONDS, MEM_TYPES, NixlAgent,
-                                          NixlUnavailable, is_installed)
+from tandem.workers.kv.nixl_agent import MEM_TYPES, NixlAgent, NixlUnavailable, is_installed
 from tandem.workers.kv.transport import KVTransferFailed
 
-__all__ = ["MAX_POLL_SECONDS", "NixlKVAgent", "NixlPeer", "NixlUnavailable", "PostedRead",
+__all__ = ["NixlKVAgent", "NixlPeer", "NixlUnavailable", "PostedRead",
            "TensorBlocks", "block_runs",
            "descriptor_rows", "is_installed", "registration_regions"]
 logger = get_logger(__name__)

@@ -13,7 +13,8 @@ mapping for every handle whose export_id matches; a peer whose mapping failed is
 again until its export_id changes (auto mode falls back to nixl or grpc for it, logged once).
 One rank maps it here (open_peer, a BlockCopier; copies go out coalesced on a copy stream);
 a TP group maps it on every rank through the engine thread (engine.runner.map_kv_peer, a slot
-per source) and every rank copies its heads (copy_kv_from_peer; parallel/ipc_ranks.py).
+per source) and every rank copies its heads on its copy stream, posted and polled between
+engine steps (post_kv_copy / poll_kv_copy; parallel/ipc_ranks.py).
 
 nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
 LeaseKV and one NIXL READ; a TP group loads and READs on every rank, parallel/nixl_ranks.py);
@@ -22,6 +23,7 @@ a source whose agent did not load gets grpc in auto mode.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import grpc
@@ -59,6 +61,7 @@ class KVReceiver:
         self._copies = None  # an ipc_copies.CoalescedCopies on this worker's copy stream
         self._peers: dict[str, _LocalPeer | _RankGroupPeer] = {}  # address -> its mapping
         self._slots: dict[str, int] = {}  # TP: address -> slot of its mapping on the ranks
+        self._transfers = itertools.count()  # TP: ids of the ranks' copies
         self._engine = engine
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
@@ -179,7 +182,7 @@ class KVReceiver:
         every_rank_block_bytes = (self.layout.tp_size * self.layout.num_layers
                                   * self.layout.bytes_per_layer_block)
         return _RankGroupPeer(response.endpoint.export_id, self._engine, slot,
-                              every_rank_block_bytes,
+                              every_rank_block_bytes, self._transfers,
                               f"mapped on all {self.tp_size} ranks (slot {slot})")
 
     async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:
@@ -224,18 +227,22 @@ class _LocalPeer:
 
 
 class _RankGroupPeer:
-    """TP: the source mapped on every rank under `slot`; a copy is one engine command that
-    every rank runs on its heads (rank_runner.copy_kv_from_peer)."""
+    """TP: the source mapped on every rank under `slot`; every rank copies its heads on its
+    copy stream, posted and polled through engine commands (parallel/ipc_ranks.py), so the
+    engine keeps stepping while the copy runs."""
 
     def __init__(self, export_id: str, engine, slot: int, block_bytes: int,
-                 description: str) -> None:
+                 transfers: itertools.count, description: str) -> None:
         self.export_id = export_id
         self.block_bytes = block_bytes  # of every rank together
         self.description = description
-        self._engine, self._slot = engine, slot
+        self._engine, self._slot, self._transfers = engine, slot, transfers
 
     async def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
-        failed = await self._engine.call(
-            lambda e: e.runner.copy_kv_from_peer(self._slot, src_ids, dst_ids))
-        if failed:
-            raise transport.KVTransferFailed(f"cuda-ipc copy failed on rank(s) {failed}")
+        from tandem.workers.parallel.rank_transfers import drive_on_ranks
+
+        transfer, slot = next(self._transfers), self._slot
+        await drive_on_ranks(
+            self._engine, lambda e: e.runner.post_kv_copy(transfer, slot, src_ids, dst_ids),
+            lambda finish: lambda e: e.runner.poll_kv_copy(transfer, finish),
+            None, f"cuda-ipc copy of {len(src_ids)} blocks")

@@ -11,30 +11,38 @@ every collective of the group:
     setup  IPC_SETUP: every rank compiles its block gather and exports its cache; rank 0
            receives the followers' exports (the prefill side serves them in ExportKVCache)
     map    IPC_MAP: rank 0 sends a source's export; rank r maps the source's rank r under a slot
-    copy   IPC_COPY: rank 0 sends the block ids; every rank copies its share and waits for it
+    copy   IPC_POST: rank 0 sends the block ids; every rank queues its share on its copy
+           stream under a transfer id, then IPC_POLL (rank 0's event loop sends one every
+           <= 2 ms, rank_transfers.py) until the copy is done on every rank or failed on one;
+           IPC_POLL with finish set waits the copy out on every rank
 
-After map and copy every rank reports ok or failed (one int each, all-gathered on the control
-group): rank 0 learns which ranks failed, and a failure stays an answer rather than a group
-whose ranks disagree on what comes next.
+After a map every rank reports ok or failed (control_gathers.failed_ranks); after a post or a
+poll every rank's status is all-gathered (rank_transfers.TransferOutcome). Either way a failure
+stays an answer rather than a group whose ranks disagree on what comes next. The engine steps
+between polls: a copy in flight holds no engine thread. A copy cannot be stopped once queued,
+so a rank whose copy is still running when the transfer settles as failed (another rank failed)
+waits for it there: once settled, nothing of the transfer writes on any rank.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
 from tandem.workers.kv import cuda_ipc
 from tandem.workers.kv.block_payload import KVCaches
-from tandem.workers.parallel.messages import Command, pack_bytes, packed_length, unpack_bytes
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.messages import Command, unpack_bytes
+from tandem.workers.parallel.rank_transfers import (DONE, FAILED, PENDING, TransferOutcome,
+                                                    gather_outcome)
 
 logger = get_logger(__name__)
 
 
 class RankIpcPeers:
-    """One rank's end: its cache's export and the sources it has mapped (slot -> copier from
-    the source's cache of this rank's number into this rank's cache)."""
+    """One rank's end: its cache's export, the sources it has mapped (slot -> copier from the
+    source's cache of this rank's number into this rank's cache) and its copies in flight."""
 
     def __init__(self, kv_caches: KVCaches, device: torch.device, rank: int) -> None:
         self.local = cuda_ipc.flat_caches(kv_caches)
@@ -43,6 +51,8 @@ class RankIpcPeers:
         self.rank = rank
         self._export: bytes | None = None
         self._copiers: dict[int, cuda_ipc.BlockCopier] = {}  # slot -> its copier
+        self._copies: dict[int, torch.cuda.Event] = {}  # transfer id -> its copy's event
+        self._stream: torch.cuda.Stream | None = None  # the copy stream, made on first use
 
     def setup(self) -> bytes:
         """Compiles the gather (so no handoff compiles it) and exports this rank's cache, once
@@ -64,51 +74,66 @@ class RankIpcPeers:
             return False
         return True
 
-    def copy(self, slot: int, src_ids: list[int], dst_ids: list[int]) -> bool:
-        """Copies this rank's share of the blocks and waits for it; False, logged, on failure."""
+    def post(self, transfer: int, slot: int, src_ids: list[int], dst_ids: list[int],
+             group: ProcessGroup | None) -> TransferOutcome:
+        """Queues this rank's share of the copy on the copy stream as `transfer` (after the
+        work already queued on the compute stream: the blocks' last writers); collective:
+        every rank learns the group's outcome so far."""
         copier = self._copiers.get(slot)
         if copier is None:
             logger.warning("rank %d: cuda-ipc copy from unmapped slot %d", self.rank, slot)
-            return False
+            return self._settle(transfer, FAILED, group)
         try:
-            copier.copy(src_ids, dst_ids)
-        except (RuntimeError, ValueError) as exc:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._copies[transfer] = copier.launch(src_ids, dst_ids, self._stream)
+        except (RuntimeError, ValueError) as exc:  # launch raised: nothing of it runs
             logger.warning("rank %d: cuda-ipc copy from slot %d failed: %s", self.rank, slot,
                            exc)
-            return False
-        return True
+            return self._settle(transfer, FAILED, group)
+        return self.poll(transfer, False, group)  # a small copy may be over already
 
+    def poll(self, transfer: int, finish: bool, group: ProcessGroup | None) -> TransferOutcome:
+        """Checks this rank's copy of `transfer` (with finish, waits for it first);
+        collective, as post. A transfer this rank no longer holds counts as failed."""
+        done = self._copies.get(transfer)
+        if done is None:
+            status = FAILED
+        else:
+            try:
+                if finish:
+                    done.synchronize()
+                status = DONE if done.query() else PENDING
+            except RuntimeError as exc:  # a CUDA error surfaced by the copy
+                logger.warning("rank %d: cuda-ipc copy %d failed: %s", self.rank, transfer,
+                               exc)
+                status = FAILED
+            if finish and status != DONE:
+                status = FAILED
+        return self._settle(transfer, status, group)
 
-def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
-    """Every rank's `data`, in rank order, on every rank (lengths first, then padded values)."""
-    world = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
-    sizes = [int(n) for n in lengths]
-    width = packed_length(max(sizes))
-    mine = torch.zeros(width, dtype=torch.int64)
-    mine[:packed_length(len(data))] = pack_bytes(data)
-    values = [torch.empty(width, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(values, mine, group=group)
-    return [unpack_bytes(v, n) for v, n in zip(values, sizes)]
+    def _settle(self, transfer: int, status: int, group: ProcessGroup | None
+                ) -> TransferOutcome:
+        """All-gathers every rank's status; once the copy is done everywhere or failed
+        anywhere, every rank forgets it, first waiting out its share if still running."""
+        outcome = gather_outcome(status, group)
+        if outcome.settled:
+            done = self._copies.pop(transfer, None)
+            if done is not None and not outcome.done:
+                try:
+                    done.synchronize()
+                except RuntimeError:  # reported already (or by the next poll's query)
+                    pass
+        return outcome
 
-
-def all_gather_ints(value: int, group: ProcessGroup | None) -> list[int]:
-    """Every rank's `value`, in rank order, on every rank."""
-    world = dist.get_world_size(group)
-    values = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(values, torch.tensor([value], dtype=torch.int64), group=group)
-    return [int(v) for v in values]
-
-
-def failed_ranks(ok: bool, group: ProcessGroup | None) -> list[int]:
-    """Every rank says whether its part worked; all learn which ranks failed."""
-    return [rank for rank, flag in enumerate(all_gather_ints(0 if ok else 1, group)) if flag]
+    @property
+    def copies_in_flight(self) -> int:
+        return len(self._copies)
 
 
 def follow_ipc_command(ipc: RankIpcPeers, command: Command, header: torch.Tensor,
                        payload: torch.Tensor, group: ProcessGroup | None) -> None:
-    """A follower's side of IPC_SETUP / IPC_MAP / IPC_COPY."""
+    """A follower's side of IPC_SETUP / IPC_MAP / IPC_POST / IPC_POLL."""
     if command is Command.IPC_SETUP:
         all_gather_bytes(ipc.setup(), group)
     elif command is Command.IPC_MAP:
@@ -116,9 +141,11 @@ def follow_ipc_command(ipc: RankIpcPeers, command: Command, header: torch.Tensor
         response = worker_pb2.ExportKVCacheResponse.FromString(unpack_bytes(payload,
                                                                             num_bytes))
         failed_ranks(ipc.map(slot, response), group)
-    elif command is Command.IPC_COPY:
-        slot, num_blocks = int(header[1]), int(header[2])
+    elif command is Command.IPC_POST:
+        transfer, slot, num_blocks = (int(v) for v in header[1:4])
         ids = payload.tolist()
-        failed_ranks(ipc.copy(slot, ids[:num_blocks], ids[num_blocks:]), group)
+        ipc.post(transfer, slot, ids[:num_blocks], ids[num_blocks:], group)
+    elif command is Command.IPC_POLL:
+        ipc.poll(int(header[1]), bool(header[2]), group)
     else:
         raise ValueError(f"not a cuda-ipc command: {command.name}")

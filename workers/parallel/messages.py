@@ -23,8 +23,11 @@ Commands:
                sends rank 0 its export (parallel/ipc_ranks.py)
     IPC_MAP    args (slot, num_bytes); payload = a source's ExportKVCacheResponse as bytes
                (pack_bytes): rank r maps the source's rank r cache under `slot`
-    IPC_COPY   args (slot, num_blocks); payload = source block ids then destination block ids:
-               every rank copies its share from the source mapped under `slot`
+    IPC_POST   args (transfer, slot, num_blocks); payload = source block ids then destination
+               block ids: every rank queues the copy of its share from the source mapped under
+               `slot` as `transfer`, and all learn every rank's status
+    IPC_POLL   args (transfer, finish): every rank checks (or with finish=1 waits out) its copy
+               of `transfer`, and all learn every rank's status
     CAPTURE_GRAPHS args (max_model_len, n); payload = n decode batch sizes: every rank captures
                its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
                collectives of their warm-up passes and captures pair up
@@ -61,13 +64,14 @@ class Command(IntEnum):
     KV_BLOCKS = 5
     IPC_SETUP = 6
     IPC_MAP = 7
-    IPC_COPY = 8
+    IPC_POST = 8
     CAPTURE_GRAPHS = 9
     NIXL_SETUP = 10
     NIXL_LOAD = 11
     NIXL_POST = 12
     NIXL_UNLOAD = 13
     NIXL_POLL = 14
+    IPC_POLL = 15
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:
@@ -104,8 +108,8 @@ def payload_length(header: torch.Tensor) -> int:
         return packed_length(int(header[1]))
     if command in (Command.IPC_MAP, Command.NIXL_LOAD):
         return packed_length(int(header[2]))
-    if command is Command.IPC_COPY:
-        return 2 * int(header[2])
+    if command is Command.IPC_POST:
+        return 2 * int(header[3])
     if command is Command.NIXL_POST:
         return 2 * int(header[3])
     if command is Command.CAPTURE_GRAPHS:

@@ -10,14 +10,15 @@ the ranks through the control channel from the engine thread:
             exports and serves them as ExportNixlAgentResponse.ranks
     load    NIXL_LOAD: rank r loads the source's ranks[r] under a slot
     read    NIXL_POST: every rank posts the READ of its share under a transfer id, then
-            NIXL_POLL (rank 0's event loop sends one every <= 2 ms) until the READ is done
-            on every rank or failed on one; NIXL_POLL with cancel set aborts it everywhere
+            NIXL_POLL (rank 0's event loop sends one every <= 2 ms: rank_transfers.py) until
+            the READ is done on every rank or failed on one; NIXL_POLL with cancel set
+            aborts it everywhere
     unload  NIXL_UNLOAD: every rank drops a slot (the source restarted)
 
-After a load every rank reports ok or failed (ipc_ranks.failed_ranks); after a post or a poll
-every rank's status (PENDING, DONE, FAILED) is all-gathered, so every rank sees the same
-ReadOutcome, a failure is an answer and the group stays in step. A READ that failed on one rank
-is cancelled on the others at once, so a failed transfer writes nothing more anywhere.
+After a load every rank reports ok or failed (control_gathers.failed_ranks); after a post or a
+poll every rank's status (PENDING, DONE, FAILED) is all-gathered, so every rank sees the same
+TransferOutcome, a failure is an answer and the group stays in step. A READ that failed on one
+rank is cancelled on the others at once, so a failed transfer writes nothing more anywhere.
 NIXL's one-thread rule holds per rank: a follower makes every call on its command loop, rank 0
 on the engine thread (RankGroupNixl goes through engine.call; the export it serves is the one
 made at setup).
@@ -28,10 +29,8 @@ all-gather on the control group).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
-import time
 
 from torch.distributed import ProcessGroup
 
@@ -40,34 +39,15 @@ from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.layout import KVLayout
-from tandem.workers.kv.nixl_backend import (MAX_POLL_SECONDS, NixlKVAgent, NixlPeer,
-                                            NixlUnavailable, PostedRead, TensorBlocks)
+from tandem.workers.kv.nixl_backend import (NixlKVAgent, NixlPeer, NixlUnavailable,
+                                            PostedRead, TensorBlocks)
 from tandem.workers.kv.transport import KVTransferFailed
-from tandem.workers.parallel.ipc_ranks import all_gather_bytes, all_gather_ints, failed_ranks
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.messages import Command, unpack_bytes
+from tandem.workers.parallel.rank_transfers import (DONE, FAILED, PENDING, TransferOutcome,
+                                                    drive_on_ranks, gather_outcome)
 
 logger = get_logger(__name__)
-
-
-PENDING, DONE, FAILED = 0, 1, 2  # one rank's state of a posted READ
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadOutcome:
-    """A posted READ as the whole group sees it: every rank's status, in rank order."""
-    statuses: list[int]
-
-    @property
-    def failed(self) -> list[int]:
-        return [rank for rank, status in enumerate(self.statuses) if status == FAILED]
-
-    @property
-    def done(self) -> bool:
-        return all(status == DONE for status in self.statuses)
-
-    @property
-    def settled(self) -> bool:
-        return self.done or bool(self.failed)
 
 
 class RankNixl:
@@ -115,7 +95,7 @@ class RankNixl:
             self.agent.remove_peer(peer)
 
     def post(self, transfer: int, slot: int, src_ids: list[int], dst_ids: list[int],
-             timeout: float, group: ProcessGroup | None) -> ReadOutcome:
+             timeout: float, group: ProcessGroup | None) -> TransferOutcome:
         """Posts this rank's READ of its heads of the blocks as `transfer`; collective: every
         rank learns the group's outcome so far (settle)."""
         peer = self._peers.get(slot)
@@ -129,7 +109,7 @@ class RankNixl:
             return self._settle(transfer, FAILED, group)
         return self.poll(transfer, False, group)  # it may already be over, or have failed
 
-    def poll(self, transfer: int, cancel: bool, group: ProcessGroup | None) -> ReadOutcome:
+    def poll(self, transfer: int, cancel: bool, group: ProcessGroup | None) -> TransferOutcome:
         """Asks NIXL once about this rank's `transfer` (or cancels it); collective, as post.
         A transfer this rank no longer holds (already settled) counts as failed."""
         read = self._reads.get(transfer)
@@ -146,11 +126,11 @@ class RankNixl:
                 status = FAILED
         return self._settle(transfer, status, group)
 
-    def _settle(self, transfer: int, status: int, group: ProcessGroup | None) -> ReadOutcome:
+    def _settle(self, transfer: int, status: int, group: ProcessGroup | None) -> TransferOutcome:
         """All-gathers every rank's status; once the READ is done everywhere or failed
         anywhere, every rank forgets it, cancelling its share if still in flight (so a
         failed transfer writes nothing more on any rank)."""
-        outcome = ReadOutcome(all_gather_ints(status, group))
+        outcome = gather_outcome(status, group)
         if outcome.settled:
             read = self._reads.pop(transfer, None)
             if read is not None and not outcome.done:
@@ -231,31 +211,11 @@ class RankGroupNixl:
         while it is in flight. KVTransferFailed when a rank failed or `timeout` passed (the
         READ is then cancelled on every rank); a cancelled caller cancels it too."""
         transfer = next(self._transfers)
-        deadline = time.monotonic() + timeout
-        settled = False
-        try:
-            outcome = await self._engine.call(lambda e: e.runner.post_kv_nixl_read(
-                transfer, peer.slot, src_ids, dst_ids, timeout))
-            delay = 0.0
-            while not outcome.settled:
-                late = time.monotonic() > deadline
-                if not late:
-                    await asyncio.sleep(delay)
-                    delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
-                outcome = await self._engine.call(
-                    lambda e: e.runner.poll_kv_nixl_read(transfer, late))
-                if late and not outcome.done:
-                    settled = True
-                    raise KVTransferFailed(f"NIXL READ of {len(src_ids)} blocks not done on "
-                                           f"every rank after {timeout:.1f} s")
-            settled = True
-        finally:
-            if not settled:  # cancelled (the request went away): abort on every rank; the
-                # command queues behind the ones already sent, before any block is freed
-                self._engine.submit(lambda e: e.runner.poll_kv_nixl_read(transfer, True))
-        if outcome.failed:
-            raise KVTransferFailed(f"NIXL READ failed on rank(s) {outcome.failed} (see their "
-                                   f"logs)")
+        await drive_on_ranks(
+            self._engine,
+            lambda e: e.runner.post_kv_nixl_read(transfer, peer.slot, src_ids, dst_ids, timeout),
+            lambda finish: lambda e: e.runner.poll_kv_nixl_read(transfer, finish),
+            timeout, f"NIXL READ of {len(src_ids)} blocks")
         return len(src_ids) * sum(t.block_bytes for t in peer.tensors) * self.tp_size
 
     def close(self) -> None:
@@ -264,7 +224,7 @@ class RankGroupNixl:
 
 
 def follow_nixl_command(nixl: RankNixl, command: Command, header, payload,
-                        group: ProcessGroup | None) -> ReadOutcome | None:
+                        group: ProcessGroup | None) -> TransferOutcome | None:
     """A follower's side of NIXL_SETUP / NIXL_LOAD / NIXL_POST / NIXL_POLL / NIXL_UNLOAD;
     returns the outcome of a post or a poll (every rank sees the same), else None."""
     if command is Command.NIXL_SETUP:

@@ -9,7 +9,7 @@ rank 0 they are issued only by the thread that drives the engine (the engine thr
 runs; the constructing or stopping thread before and after), never by a gRPC handler: the
 KV handoff reaches the other ranks' shards through `gather_kv_blocks` / `scatter_kv_blocks`,
 which the servicers run as engine commands, cuda-ipc handoffs through `setup_kv_ipc`,
-`map_kv_peer` and `copy_kv_from_peer` (ipc_ranks.py), and nixl handoffs through the
+`map_kv_peer`, `post_kv_copy` and `poll_kv_copy` (ipc_ranks.py), and nixl handoffs through the
 `*_kv_nixl*` methods (nixl_ranks.py).
 """
 from __future__ import annotations
@@ -28,21 +28,23 @@ from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.v1 import worker_pb2
 from tandem.workers.parallel.followers import FollowerProcesses
-from tandem.workers.parallel.ipc_ranks import (RankIpcPeers, all_gather_bytes, failed_ranks,
-                                               follow_ipc_command)
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
 from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
                                                local_share, share_shape, split_joined,
                                                write_local_share)
 from tandem.workers.parallel.messages import (MESSAGE_LEN, Command, frame_command,
                                               make_header, pack_bytes, pack_inputs,
                                               split_message, unpack_inputs)
-from tandem.workers.parallel.nixl_ranks import (RankNixl, ReadOutcome, follow_nixl_command,
+from tandem.workers.parallel.nixl_ranks import (RankNixl, follow_nixl_command,
                                                 merge_rank_exports)
+from tandem.workers.parallel.rank_transfers import TransferOutcome
 from tandem.workers.parallel.process_group import (destroy_rank_group, init_rank_group,
                                                    open_leader_store)
 
 logger = get_logger(__name__)
 STOP_TIMEOUT_SECONDS = 10.0
+IPC_COMMANDS = (Command.IPC_SETUP, Command.IPC_MAP, Command.IPC_POST, Command.IPC_POLL)
 NIXL_COMMANDS = (Command.NIXL_SETUP, Command.NIXL_LOAD, Command.NIXL_POST, Command.NIXL_POLL,
                  Command.NIXL_UNLOAD)
 
@@ -176,14 +178,23 @@ class LeaderRunner:
             return failed_ranks(self._ipc_peers().map(slot, response),
                                 self.group.control_group)
 
-    def copy_kv_from_peer(self, slot: int, src_ids: list[int], dst_ids: list[int]) -> list[int]:
-        """Every rank copies its share of src_ids (the source mapped under `slot`) into
-        dst_ids and waits for it; returns the ranks whose copy failed. Engine thread only."""
+    def post_kv_copy(self, transfer: int, slot: int, src_ids: list[int],
+                     dst_ids: list[int]) -> TransferOutcome:
+        """Every rank queues the copy of its share of src_ids (the source mapped under `slot`)
+        into dst_ids as `transfer`; returns the group's outcome so far (poll_kv_copy until it
+        is settled). Engine thread only."""
         ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int64)
         with self.group.fatal_on_error("cuda-ipc copy"):
-            self.group.send(make_header(Command.IPC_COPY, slot, len(src_ids)), ids)
-            return failed_ranks(self._ipc_peers().copy(slot, src_ids, dst_ids),
-                                self.group.control_group)
+            self.group.send(make_header(Command.IPC_POST, transfer, slot, len(src_ids)), ids)
+            return self._ipc_peers().post(transfer, slot, src_ids, dst_ids,
+                                          self.group.control_group)
+
+    def poll_kv_copy(self, transfer: int, finish: bool = False) -> TransferOutcome:
+        """Every rank checks (with finish: waits out) its copy of `transfer`; returns the
+        group's outcome. Engine thread only."""
+        with self.group.fatal_on_error("cuda-ipc poll"):
+            self.group.send(make_header(Command.IPC_POLL, transfer, int(finish)))
+            return self._ipc_peers().poll(transfer, finish, self.group.control_group)
 
     def _ipc_peers(self) -> RankIpcPeers:
         if self._ipc is None:
@@ -215,7 +226,7 @@ class LeaderRunner:
             self._nixl.unload(slot)
 
     def post_kv_nixl_read(self, transfer: int, slot: int, src_ids: list[int],
-                          dst_ids: list[int], timeout: float) -> ReadOutcome:
+                          dst_ids: list[int], timeout: float) -> TransferOutcome:
         """Every rank posts the READ of its heads of src_ids (the source under `slot`) into
         dst_ids as `transfer`, lasting at most `timeout` seconds; returns the group's outcome
         so far (poll_kv_nixl_read until it is settled). Engine thread only."""
@@ -227,7 +238,7 @@ class LeaderRunner:
             return self._nixl.post(transfer, slot, src_ids, dst_ids, timeout_ms / 1000,
                                    self.group.control_group)
 
-    def poll_kv_nixl_read(self, transfer: int, cancel: bool = False) -> ReadOutcome:
+    def poll_kv_nixl_read(self, transfer: int, cancel: bool = False) -> TransferOutcome:
         """Every rank checks (or, with cancel, aborts) its READ of `transfer`; returns the
         group's outcome. Engine thread only."""
         with self.group.fatal_on_error("NIXL poll"):
@@ -265,7 +276,7 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
                                dtype=like.dtype, device=like.device)
             dist.scatter(mine, None, src=0)
             write_local_share(runner.kv_caches, block_ids, mine)
-        elif command in (Command.IPC_SETUP, Command.IPC_MAP, Command.IPC_COPY):
+        elif command in IPC_COMMANDS:
             ipc = ipc or RankIpcPeers(runner.kv_caches, device, dist.get_rank())
             follow_ipc_command(ipc, command, header, payload, control_group)
         elif command in NIXL_COMMANDS:

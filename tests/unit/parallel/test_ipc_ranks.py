@@ -1,8 +1,8 @@
 """The cuda-ipc rank protocol (workers/parallel/ipc_ranks.py) over a real 2-process gloo group
 on CPU: bytes of different lengths reach every rank intact, every rank learns which ranks
-failed, and a map or copy that cannot work on a rank (here: no CUDA) comes back as a reported
-failure with the group still in step. Real mappings and copies between GPUs:
-tests/gpu/test_kv_cuda_ipc_gpu.py."""
+failed, and a map or copy that cannot work on a rank (here: no CUDA), or a poll of a transfer
+no rank holds, comes back as a reported failure with the group still in step. Real mappings
+and copies between GPUs: tests/gpu/test_kv_cuda_ipc_gpu.py."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ from helpers.rank_processes import run_ranks
 from tandem.common.convert import layout_to_proto
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.layout import KVLayout
-from tandem.workers.parallel.ipc_ranks import (RankIpcPeers, all_gather_bytes, failed_ranks,
-                                               follow_ipc_command)
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
 from tandem.workers.parallel.messages import Command, make_header, pack_bytes
 
 WORLD = 2
@@ -45,14 +45,21 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         export = unmappable_export(caches)
         data = export.SerializeToString()
         ids = torch.tensor([0, 1, 1, 0], dtype=torch.int64)
-        if rank == 0:  # the leader's side, as LeaderRunner.map_kv_peer / copy_kv_from_peer
+        if rank == 0:  # the leader's side, as LeaderRunner.map_kv_peer / post_kv_copy / ...
             results["map"] = failed_ranks(ipc.map(3, export), None)
-            results["copy"] = failed_ranks(ipc.copy(3, [0, 1], [1, 0]), None)
+            results["copy"] = ipc.post(9, 3, [0, 1], [1, 0], None).statuses
+            results["poll"] = ipc.poll(9, False, None).statuses
+            results["finish"] = ipc.poll(4, True, None).statuses
         else:  # the follower's side, from the header and payload as the control channel has them
             follow_ipc_command(ipc, Command.IPC_MAP, make_header(Command.IPC_MAP, 3, len(data)),
                                pack_bytes(data), None)
-            follow_ipc_command(ipc, Command.IPC_COPY, make_header(Command.IPC_COPY, 3, 2), ids,
-                               None)
+            follow_ipc_command(ipc, Command.IPC_POST, make_header(Command.IPC_POST, 9, 3, 2),
+                               ids, None)
+            for transfer, finish in ((9, 0), (4, 1)):
+                follow_ipc_command(ipc, Command.IPC_POLL,
+                                   make_header(Command.IPC_POLL, transfer, finish), ids[:0],
+                                   None)
+        results["in_flight"] = ipc.copies_in_flight
         results["after"] = failed_ranks(True, None)  # still in step
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -67,8 +74,11 @@ def test_rank_protocol_reports_failures_and_stays_in_step(tmp_path):
         assert got["empty"] == [b"ab".hex(), ""]
         assert got["failed"] == [1]
         assert got["after"] == []
-    # No rank can map the export (no CUDA here), and a copy from the slot it left empty fails
-    # on both ranks too.
+        assert got["in_flight"] == 0
+    # No rank can map the export (no CUDA here), so a copy from the slot it left empty fails on
+    # both ranks (FAILED = 2), and so do polls of a transfer no rank holds, finishing or not.
     assert results[0]["map"] == [0, 1]
-    assert results[0]["copy"] == [0, 1]
+    assert results[0]["copy"] == [2, 2]
+    assert results[0]["poll"] == [2, 2]
+    assert results[0]["finish"] == [2, 2]
 

@@ -14,7 +14,7 @@ def test_payload_lengths_come_from_the_headers():
     assert payload_length(make_header(Command.GATHER_KV, 7)) == 7
     assert payload_length(make_header(Command.SCATTER_KV, 3)) == 3
     assert payload_length(make_header(Command.IPC_MAP, 3, 17)) == 3  # 17 bytes in 3 int64s
-    assert payload_length(make_header(Command.IPC_COPY, 3, 5)) == 10  # src then dst ids
+    assert payload_length(make_header(Command.IPC_POST, 7, 3, 5)) == 10  # src then dst ids
     for command in (Command.STOP, Command.KV_BLOCKS, Command.IPC_SETUP):
         assert payload_length(make_header(command, 9)) == 0
 

@@ -22,7 +22,7 @@ from helpers.rank_processes import run_ranks
 from tandem.v1 import worker_pb2
 from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.nixl_agent import is_installed
-from tandem.workers.parallel.ipc_ranks import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.messages import Command, make_header, pack_bytes
 from tandem.workers.parallel.nixl_ranks import (NixlUnavailable, RankNixl, follow_nixl_command,
                                                 merge_rank_exports)

@@ -47,14 +47,20 @@ NUM_WARPS = 4
 # The per-launch values stay out of specialization, so one compiled variant serves every launch
 # of a BlockGather (the direct launch relies on it; num_pairs == 1 would otherwise compile a
 # variant with num_pairs as a constant).
+#
+# One flat grid, program p = (pair, tensor, chunk) with the chunk fastest: programs that run at
+# the same time walk the same block's bytes in order (in a block-major cache a block of every
+# tensor is one contiguous run), rather than the same chunk of many blocks far apart.
 @triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["ids_ptr"])
 def _gather_blocks_kernel(src_ptr, dst_ptr, ids_ptr, num_pairs,
                           src_tensor_stride, dst_tensor_stride,
                           src_block_stride, dst_block_stride, block_bytes,
+                          NUM_TENSORS: tl.constexpr, NUM_CHUNKS: tl.constexpr,
                           CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
-    pair = tl.program_id(0)
-    tensor = tl.program_id(1).to(tl.int64)
-    chunk = tl.program_id(2)
+    program = tl.program_id(0)
+    chunk = program % NUM_CHUNKS
+    tensor = ((program // NUM_CHUNKS) % NUM_TENSORS).to(tl.int64)
+    pair = program // (NUM_CHUNKS * NUM_TENSORS)
     src_block = tl.load(ids_ptr + pair).to(tl.int64)
     dst_block = tl.load(ids_ptr + num_pairs + pair).to(tl.int64)
     src_start = tensor * src_tensor_stride + src_block * src_block_stride
@@ -101,7 +107,8 @@ class BlockGather:
         # The direct launch's arguments but the ids and num_pairs (launch_args). The base
         # pointers go as ints (device addresses; the storages live in src/dst_bytes).
         self._base_ptrs = (self.src_bytes.data_ptr(), self.dst_bytes.data_ptr())
-        self._tail_args = (*self.strides, self.block_bytes, CHUNK_BYTES, self.aligned)
+        self._tail_args = (*self.strides, self.block_bytes, self.num_tensors, self.num_chunks,
+                           CHUNK_BYTES, self.aligned)
         self._compiled: dict[int, object] = {}  # device index -> CompiledKernel
         self.direct_launches = 0  # launches that took the direct path (tests, bench)
 
@@ -119,9 +126,9 @@ class BlockGather:
                     stream = torch.cuda.current_stream(device)
                 if stream.device_index == device:
                     try:
-                        kernel.run(num_pairs, self.num_tensors, self.num_chunks,
-                                   stream.cuda_stream, kernel.function, kernel.packed_metadata,
-                                   None, None, None, *self.launch_args(ids, num_pairs))
+                        kernel.run(self._programs(num_pairs), 1, 1, stream.cuda_stream,
+                                   kernel.function, kernel.packed_metadata, None, None, None,
+                                   *self.launch_args(ids, num_pairs))
                         self.direct_launches += 1
                         return
                     except TypeError:  # another calling convention: nothing was launched
@@ -134,7 +141,7 @@ class BlockGather:
         worker calls it at startup, so its first handoff does not wait for Triton)."""
         ids = torch.zeros((2, 1), dtype=torch.int32, device=self.dst_bytes.device)
         _gather_blocks_kernel.warmup(*self._jit_args(ids, 1), **self._jit_options,
-                                     grid=(1, 1, 1))
+                                     grid=(self._programs(1), 1, 1))
 
     def launch_args(self, ids: torch.Tensor, num_pairs: int) -> tuple:
         """The kernel's arguments in its parameter order, constexprs included (as Triton's
@@ -149,12 +156,17 @@ class BlockGather:
     @property
     def _jit_options(self) -> dict:
         """Constexprs and launch options: with _jit_args, what selects the compiled variant."""
-        return dict(CHUNK=CHUNK_BYTES, ALIGNED=self.aligned, num_warps=NUM_WARPS)
+        return dict(NUM_TENSORS=self.num_tensors, NUM_CHUNKS=self.num_chunks, CHUNK=CHUNK_BYTES,
+                    ALIGNED=self.aligned, num_warps=NUM_WARPS)
+
+    def _programs(self, num_pairs: int) -> int:
+        """The flat grid: a program per (pair, tensor, chunk)."""
+        return num_pairs * self.num_tensors * self.num_chunks
 
     def _plain_launch(self, ids: torch.Tensor, num_pairs: int,
                       stream: torch.cuda.Stream | None) -> None:
         """Triton's own launch path; keeps the compiled kernel for direct launches."""
-        grid = (num_pairs, self.num_tensors, self.num_chunks)
+        grid = (self._programs(num_pairs),)
         on_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
         with on_stream:
             kernel = _gather_blocks_kernel[grid](*self._jit_args(ids, num_pairs),

@@ -1,0 +1,87 @@
+"""The TP cuda-ipc copy protocol (workers/parallel/ipc_ranks.py) with real CUDA IPC copies: two
+rank processes (on cuda:0 and cuda:1, or both on cuda:0 with one GPU), each the other's
+source, over a real gloo group.
+
+* A posted copy, polled until settled, lands every rank's blocks bit for bit (block-major
+  caches, as ModelRunner allocates them), and no rank keeps the copy afterwards.
+* When one rank cannot copy (its slot maps nothing), the group settles as failed on that
+  rank alone, the other rank's copy is waited out (none left in flight), and the group stays
+  in step for the next command.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.rank_processes import run_ranks
+
+from tandem.common.convert import layout_to_proto
+from tandem.v1 import worker_pb2
+from tandem.workers.kv import cuda_ipc
+from tandem.workers.kv.layout import KVLayout
+from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.ipc_ranks import RankIpcPeers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+WORLD = 2
+BLOCKS, LAYERS = 48, 3
+SRC_IDS, DST_IDS = [5, 17, 40, 2, 3], [30, 1, 8, 9, 44]
+
+
+def rank_main(rank: int, init_file: str, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        torch.manual_seed(rank)
+        # Block-major like ModelRunner: [blocks, tensors, block], tensor i = stack[:, i].
+        source = torch.randn(BLOCKS, 2 * LAYERS, 16, 2, 64, device=device,
+                             dtype=torch.bfloat16)
+        caches = [(source[:, 2 * i], source[:, 2 * i + 1]) for i in range(LAYERS)]
+        dest = torch.zeros_like(source)
+        dest_caches = [(dest[:, 2 * i], dest[:, 2 * i + 1]) for i in range(LAYERS)]
+        exports = all_gather_bytes(cuda_ipc.export_rank_cache(caches).SerializeToString(),
+                                   None)
+        # ranks[r] = the other rank's cache: rank r maps ranks[r], so each copies its peer's.
+        layout = KVLayout.from_kv_caches(caches, tp_rank=0, tp_size=WORLD)
+        response = worker_pb2.ExportKVCacheResponse(
+            layout=layout_to_proto(layout),
+            ranks=[worker_pb2.CudaIpcCache.FromString(exports[1 - r]) for r in range(WORLD)])
+        ipc = RankIpcPeers(dest_caches, device, rank)
+        results = {"map": failed_ranks(ipc.map(0, response), None)}
+
+        outcome = ipc.post(1, 0, SRC_IDS, DST_IDS, None)
+        while not outcome.settled:
+            outcome = ipc.poll(1, False, None)
+        results["copy"] = outcome.statuses
+        mine = source[SRC_IDS].view(torch.int16).flatten().cpu()  # compared as bits
+        sources = [torch.empty_like(mine) for _ in range(WORLD)]
+        dist.all_gather(sources, mine)
+        results["bit_exact"] = bool(torch.equal(dest[DST_IDS].view(torch.int16).flatten().cpu(),
+                                                sources[1 - rank]))
+        results["untouched"] = bool(
+            dest[[b for b in range(BLOCKS) if b not in DST_IDS]].count_nonzero() == 0)
+
+        # Rank 1 copies from a slot it never mapped: failed there, rank 0's copy waited out.
+        slot = 0 if rank == 0 else 7
+        results["one_failed"] = ipc.post(2, slot, SRC_IDS, [0, 6, 7, 10, 11], None).statuses
+        results["in_flight"] = ipc.copies_in_flight
+        results["after"] = failed_ranks(True, None)  # still in step
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_copies_land_bit_exactly_and_a_one_rank_failure_settles_everywhere(tmp_path):
+    results = run_ranks(rank_main, tmp_path, WORLD, timeout=180)
+    for got in results:
+        assert got["map"] == []
+        assert got["copy"] == [1, 1]  # DONE on both
+        assert got["bit_exact"] and got["untouched"]
+        assert got["one_failed"][1] == 2  # FAILED on rank 1 (rank 0: done or pending)
+        assert got["in_flight"] == 0
+        assert got["after"] == []
