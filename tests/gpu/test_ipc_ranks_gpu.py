@@ -57,11 +57,11 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         while not outcome.settled:
             outcome = ipc.poll(1, False, None)
         results["copy"] = outcome.statuses
-        mine = source[SRC_IDS].view(torch.int16).flatten().cpu()  # compared as bits
+        mine = source[SRC_IDS].view(torch.int16).flatten().cpu().int()  # bits; gloo: no int16
         sources = [torch.empty_like(mine) for _ in range(WORLD)]
         dist.all_gather(sources, mine)
-        results["bit_exact"] = bool(torch.equal(dest[DST_IDS].view(torch.int16).flatten().cpu(),
-                                                sources[1 - rank]))
+        landed = dest[DST_IDS].view(torch.int16).flatten().cpu().int()
+        results["bit_exact"] = bool(torch.equal(landed, sources[1 - rank]))
         results["untouched"] = bool(
             dest[[b for b in range(BLOCKS) if b not in DST_IDS]].count_nonzero() == 0)
 
