@@ -2,11 +2,13 @@
 gloo): router -> prefill TP=2 -> decode TP=2 gives transformers' greedy tokens with the KV of
 both ranks handed over; a TP=1 decode worker refuses a TP=2 handle naming tp_size; no
 follower outlives its worker, whether the worker stops or is killed; a worker whose follower
-dies stops."""
+dies stops; a SIGTERM to a worker's whole process group (systemd, a Ctrl-C) drains its
+in-flight streams before the ranks stop."""
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -105,3 +107,29 @@ def test_tp1_decode_refuses_a_tp2_handle_and_followers_die_with_their_worker(che
         wait_gone([follower], timeout=5)
     finally:
         stop(list(workers.values()))
+
+
+def test_sigterm_to_the_whole_process_group_drains_a_tp2_worker(checkpoint, tmp_path):
+    ckpt = checkpoint("llama")
+    stack = start_stack(ckpt.path, tmp_path, num_prefill=0, num_decode=0, num_both=1,
+                        worker_args=[*TP2, "--shutdown-grace-seconds", "30"])
+    try:
+        worker = stack.workers["both-0"]
+        [follower] = child_pids(worker.popen.pid)
+        prompt = random_prompts([12], seed=5)[0]
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(done=generate(
+            stack.router.address, request(prompt, max_tokens=300), timeout=60)))
+        thread.start()
+        deadline = time.monotonic() + 20
+        while worker_load(worker.address).num_running == 0:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.05)
+        os.killpg(worker.popen.pid, signal.SIGTERM)  # rank 0 and its follower alike
+        thread.join(timeout=60)
+        assert result["done"].token_ids == ckpt.greedy(prompt, 300)  # finished in the grace
+        assert worker.popen.wait(timeout=30) == 0
+        wait_gone([follower], timeout=5)
+        assert "model step failed" not in worker.log_path.read_text()
+    finally:
+        stop(stack.processes)

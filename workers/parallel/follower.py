@@ -6,9 +6,11 @@
 It joins rank 0's process group, loads its shards of the same model, allocates as many KV
 blocks as rank 0 did, then replays rank 0's commands until STOP (rank_runner.py). It never
 outlives rank 0: a watchdog thread exits when its parent pid changes (rank 0 died), and a
-collective with a dead rank 0 fails at once on the closed connection. SIGINT is ignored (a
-Ctrl-C reaches the whole process group; rank 0 decides when followers stop). SIGUSR1 prints
-every thread's Python stack to stderr (for a rank that seems stuck), and the rank goes on.
+collective with a dead rank 0 fails at once on the closed connection. SIGINT and SIGTERM are
+ignored: a Ctrl-C reaches the whole process group, and so does a SIGTERM from systemd (its
+default KillMode) or an init that signals the group; rank 0 decides when followers stop, after
+draining its in-flight requests, which need every rank to run. SIGUSR1 prints every thread's
+Python stack to stderr (for a rank that seems stuck), and the rank goes on.
 """
 from __future__ import annotations
 
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     exit_when_orphaned(args.parent_pid)
     run(args)
