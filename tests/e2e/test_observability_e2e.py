@@ -2,18 +2,15 @@
 every metric the dashboards and rules name is exported, and the tiers' counters agree."""
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from helpers.client import generate, request
-from helpers.processes import free_port
+from helpers.processes import start_up
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE_VALUES = {"job": ".*", "namespace": ".*", "model": ".*", "tier": ".*",
@@ -48,20 +45,8 @@ def sample(text: str, name: str, **labels) -> float:
 def up_stack(checkpoint, tmp_path_factory):
     """`tandem up` on the tiny Llama: returns {name: (grpc address, metrics address)}."""
     log_dir = tmp_path_factory.mktemp("up")
-    port = free_port()
-    up = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "up", "--model", str(checkpoint("llama").path),
-         "--port", str(port), "--dtype", "float32"],
-        stdout=subprocess.PIPE, stderr=open(log_dir / "up.log", "w"), text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-    processes = {}
-    deadline = time.monotonic() + 180
-    for line in up.stdout:
-        match = re.match(r"\s+(\S+)\s+(\S+)\s+metrics http://(\S+)/metrics", line)
-        if match:
-            processes[match.group(1)] = (match.group(2), match.group(3))
-        if line.startswith("Ctrl-C") or time.monotonic() > deadline:
-            break
+    up, processes = start_up(["--model", str(checkpoint("llama").path), "--dtype", "float32"],
+                             log_dir)
     assert set(processes) == {"router", "prefill-0", "decode-0"}, \
         (log_dir / "up.log").read_text()[-3000:]
     yield processes

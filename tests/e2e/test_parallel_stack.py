@@ -15,7 +15,7 @@ import grpc
 import pytest
 from helpers.checkpoints import random_prompts
 from helpers.client import generate, request, worker_load
-from helpers.processes import (child_pids, free_port, start, start_stack, stop,
+from helpers.processes import (child_pids, free_port, start, start_stack, stop, wait_gone,
                                wait_serving)
 
 from tandem import SamplingParams
@@ -24,22 +24,6 @@ from tandem.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from tandem.workers.server import LOST_FOLLOWER_EXIT_CODE
 
 TP2 = ["--tensor-parallel-size", "2"]
-
-
-def is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, unreaped) counts as gone
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(is_running(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            pytest.fail(f"processes {[p for p in pids if is_running(p)]} still run")
-        time.sleep(0.1)
 
 
 def check_stack_tokens(stack, ckpt, lengths: list[int], seed: int) -> None:

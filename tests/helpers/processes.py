@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 STARTUP_TIMEOUT_SECONDS = 180
@@ -46,7 +48,10 @@ def child_pids(pid: int) -> list[int]:
     """The pids of a process's children (every thread's)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
     return children
 
 
@@ -141,3 +146,38 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
         stop(stack.processes)
         raise
     return stack
+
+
+def start_up(args: list[str], log_dir: Path) -> tuple[subprocess.Popen, dict[str, tuple]]:
+    """`tandem up ARGS --port P` in its own session; returns once it printed its table: the
+    process and {name: (grpc address, metrics address)} for the router and every worker.
+    Stop it with SIGTERM (it stops its children)."""
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", *args, "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=open(log_dir / "up.log", "w"),
+                          text=True, env=_env(), start_new_session=True)
+    processes = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+    for line in up.stdout:
+        match = re.match(r"\s+(\S+)\s+(\S+)\s+metrics http://(\S+)/metrics", line)
+        if match:
+            processes[match.group(1)] = (match.group(2), match.group(3))
+        if line.startswith("Ctrl-C") or time.monotonic() > deadline:
+            break
+    return up, processes
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, unreaped) counts as gone
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(is_running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes {[p for p in pids if is_running(p)]} still run")
+        time.sleep(0.1)
