@@ -99,7 +99,7 @@ class RankIpcPeers:
                 self._stream = torch.cuda.Stream(self.device)
             done = self._copies[transfer] = copier.launch(src_ids, dst_ids, self._stream)
             wait_briefly(done, POST_WAIT_SECONDS)
-        except (RuntimeError, ValueError) as exc:  # launch raised: nothing of it runs
+        except (RuntimeError, ValueError) as exc:  # launch raised (nothing of it runs), or CUDA
             logger.warning("rank %d: cuda-ipc copy from slot %d failed: %s", self.rank, slot,
                            exc)
             return self._settle(transfer, FAILED, group)
