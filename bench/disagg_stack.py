@@ -5,10 +5,10 @@ router loads its tokenizer while the workers load the model), waits until every 
 the router report SERVING on grpc.health.v1, and then until the router's /metrics says every
 worker is in its pool, so requests spread over all of them from the first one. Every child
 writes its output to `<log_dir>/<name>.log` and leads its own session, so a Ctrl-C in the
-terminal reaches only the benchmark, which then stops the router first and the workers after it (SIGTERM, a grace
-period, then SIGKILL of the child's whole process group). A GPU worker for "cuda:N" is started
-with CUDA_VISIBLE_DEVICES=N and `--device cuda`, so inside it the GPU is device 0: kernels,
-streams and CUDA graphs never meet a second device.
+terminal reaches only the benchmark, which then stops the router first and the workers after
+it (SIGTERM, a grace period, then SIGKILL of the child's whole process group). A GPU worker
+for "cuda:N" is started with CUDA_VISIBLE_DEVICES=N and `--device cuda`, so inside it the GPU
+is device 0: kernels, streams and CUDA graphs never meet a second device.
 
 Models: `write_tokenizer` writes a small byte-level tokenizer (259 ids) next to a config.json,
 because the router always loads a tokenizer; the benchmark sends token-id prompts, so the

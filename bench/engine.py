@@ -97,7 +97,8 @@ def profile_step(engine, inputs, top: int = 14) -> str:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             forward()
             torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top,
+                                     max_name_column_width=70)
 
 
 def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,

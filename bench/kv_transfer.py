@@ -6,10 +6,10 @@
 
 1. The plain copy rate: one large tensor cuda:0 -> cuda:1 (CUDA events, warm-up, median), the
    ceiling every backend is compared with (--device cpu: a host memcpy).
-2. A source process (kv_transfer_source.py) holds a KV cache on cuda:0 (Llama-8B-shaped by default: 32 layers, 8 KV
-   heads, head 128, block 16, bf16: 2 MiB per block over all layers, K and V) and serves the
-   real KVTransferServicer on 127.0.0.1 with pinned handles of 1..128 scattered blocks. This
-   process pulls them into scattered blocks of a cache on cuda:1:
+2. A source process (kv_transfer_source.py) holds a KV cache on cuda:0 (Llama-8B-shaped by
+   default: 32 layers, 8 KV heads, head 128, block 16, bf16: 2 MiB per block over all layers,
+   K and V) and serves the real KVTransferServicer on 127.0.0.1 with pinned handles of 1..128
+   scattered blocks. This process pulls them into scattered blocks of a cache on cuda:1:
      grpc           pull_kv: iter_payload_chunks -> gRPC stream -> PayloadWriter (host staging)
      cuda-ipc       KVReceiver.pull of a handle that names its blocks and lease deadline (as a
                     prefill worker's handles do): the one-pass GPU-to-GPU gather, no RPC

@@ -126,7 +126,8 @@ class WorkerPool:
             reply = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=""),
                                                    timeout=CHECK_TIMEOUT_SECONDS)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                raise RuntimeError(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                raise RuntimeError(f"health is {status}")
             worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
                                                     timeout=CHECK_TIMEOUT_SECONDS)
         except (grpc.aio.AioRpcError, RuntimeError) as exc:

@@ -18,7 +18,8 @@ class EngineConfig:
     """What the user chose. Validated here; every bad value is a ValueError naming its field."""
 
     model: str
-    dtype: str = "auto"  # auto (the checkpoint's dtype; float32 on CPU) | float32 | bfloat16 | float16
+    # auto (the checkpoint's dtype; float32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kernels: str = "auto"  # auto | torch | aiter-triton | aiter
     max_model_len: int | None = None  # default: the model's max_position_embeddings

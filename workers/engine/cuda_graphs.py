@@ -56,7 +56,8 @@ class DecodeGraphs:
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            slot_mapping=self.slot_mapping[:batch],
+            query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_host=list(range(batch + 1)), seq_lens_host=[1] * batch)

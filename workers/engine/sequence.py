@@ -41,7 +41,8 @@ class Sequence:
 
     Invariants kept by the scheduler and the block manager:
       0 <= num_cached_tokens <= num_computed_tokens <= num_tokens
-      len(block_table) * block_size >= num_computed_tokens while RUNNING; block_table == [] otherwise
+      len(block_table) * block_size >= num_computed_tokens while RUNNING;
+      block_table == [] otherwise
       a decoding sequence has num_computed_tokens == num_tokens - 1 (the last sampled token's KV
       is written by the next step).
     """

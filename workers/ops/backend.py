@@ -1,6 +1,7 @@
 """Which kernel library an op runs on. Each op resolves its backend once, at construction.
 
-    --kernels auto          aiter-triton on a GPU when amd-aiter and triton are installed, else torch
+    --kernels auto          aiter-triton on a GPU when amd-aiter and triton are installed,
+                            else torch
     --kernels aiter-triton  GPU only: AITER's Triton ops where they measure faster, our own Triton
                             kernels (workers/ops/gpu/) elsewhere; bench/engine.py prints the choice
     --kernels torch         plain PyTorch, any device: the reference every backend is tested against

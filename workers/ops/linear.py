@@ -125,7 +125,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, rank = kv_size, self.tp_rank // self.num_kv_head_replicas
         else:
             raise ValueError(f"qkv linear: shard_id={shard_id!r} is not 'q', 'k' or 'v'")
-        expected_rows = size * (self.tp_size // (self.num_kv_head_replicas if shard_id != "q" else 1))
+        replicas = self.num_kv_head_replicas if shard_id != "q" else 1
+        expected_rows = size * (self.tp_size // replicas)
         if loaded.shape[0] != expected_rows:
             raise ValueError(f"qkv linear shard {shard_id}: expected {expected_rows} rows, "
                              f"checkpoint has shape {tuple(loaded.shape)}")
