@@ -139,8 +139,10 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
             stall = float("nan")
             if background:
                 background.wait_past(samples[-1][2])  # the last handoff's gap, complete
-                stall = statistics.median(background.longest_gap(first, second)
-                                          for _, first, second in samples)
+                stalls = [background.longest_gap(first, second) for _, first, second in samples]
+                stall = statistics.median(stalls)
+                print(f"{backend}: {length}-token prompts: the background stream's longest gap "
+                      f"per handoff, ms: {' '.join(f'{s * 1e3:.1f}' for s in stalls)}")
             rows[length] = (statistics.median(first - start for start, first, _ in samples),
                             statistics.median(second - first for _, first, second in samples),
                             stall)
