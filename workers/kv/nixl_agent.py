@@ -32,6 +32,7 @@ import threading
 import time
 
 from tandem.common.logging import get_logger
+from tandem.common.polling import poll_delays
 from tandem.workers.kv.transport import KVTransferFailed
 
 # The meta package `nixl` picks the wheel matching the CUDA it detects; `tandem[nixl]`
@@ -39,7 +40,6 @@ from tandem.workers.kv.transport import KVTransferFailed
 _PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
 PROGRESS_DELAY_US = 100  # the progress thread's sleep when it found nothing to progress
 MEM_TYPES = ("DRAM", "VRAM")
-MAX_POLL_SECONDS = 0.002  # longest sleep between two checks of a posted READ
 logger = get_logger(__name__)
 
 
@@ -151,14 +151,13 @@ class NixlAgent:
                 self._bind.nixlXferDList(self._mems[remote_mem], remote_rows), peer, b"",
                 [self._ucx])
             state = self._state(self._agent.postXferReq(xfer, b""))
-            delay = 0.0
+            delays = poll_delays()
             while state == "PROC":
                 if cancelled.is_set():
                     raise KVTransferFailed(f"{what}: cancelled")
                 if time.monotonic() > deadline:
                     raise KVTransferFailed(f"{what}: not done in time")
-                time.sleep(delay)
-                delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
+                time.sleep(next(delays))
                 state = self._state(self._agent.getXferStatus(xfer))
             if state != "DONE":
                 raise KVTransferFailed(f"{what}: NIXL reports {state}")

@@ -20,13 +20,11 @@ from collections.abc import Callable
 
 from torch.distributed import ProcessGroup
 
+from tandem.common.polling import poll_delays
 from tandem.workers.kv.transport import KVTransferFailed
 from tandem.workers.parallel.control_gathers import all_gather_ints
 
 PENDING, DONE, FAILED = 0, 1, 2  # one rank's state of a posted transfer
-
-# The longest sleep between two polls: the poll interval doubles from 0.1 ms up to this.
-MAX_POLL_SECONDS = 2e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +53,8 @@ def gather_outcome(status: int, group: ProcessGroup | None) -> TransferOutcome:
 async def drive_on_ranks(engine, post: Callable, poll: Callable[[bool], Callable],
                          timeout: float | None, what: str) -> None:
     """Rank 0's loop: `post` (an engine command) starts the transfer on every rank, then
-    poll(finish) commands follow, at most MAX_POLL_SECONDS apart, until it is settled.
+    poll(finish) commands follow (paced by poll_delays: at most 2 ms apart) until it is
+    settled.
 
     Raises KVTransferFailed naming the failed ranks, or, once `timeout` seconds passed, after
     a finishing poll. If the caller is cancelled, a finishing poll is queued (engine commands
@@ -65,12 +64,11 @@ async def drive_on_ranks(engine, post: Callable, poll: Callable[[bool], Callable
     settled = False
     try:
         outcome = await engine.call(post)
-        delay = 0.0
+        delays = poll_delays()
         while not outcome.settled:
             late = deadline is not None and time.monotonic() > deadline
             if not late:
-                await asyncio.sleep(delay)
-                delay = min(MAX_POLL_SECONDS, delay * 2 or 1e-4)
+                await asyncio.sleep(next(delays))
             outcome = await engine.call(poll(late))
             if late and not outcome.done:
                 settled = True
