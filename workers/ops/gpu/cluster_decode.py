@@ -28,24 +28,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import time
-from pathlib import Path
 
 import torch
 
-from tandem.common.logging import get_logger
+from tandem.workers.ops.gpu.cuda_build import build_library
 from tandem.workers.ops.gpu.pdl import pdl_enabled
 
-logger = get_logger(__name__)
-
-SOURCE = Path(__file__).parent / "cuda" / "decode_cluster.cu"
 HEAD_DIM = 128
 GROUPS = (1, 2, 4, 8)          # query heads per KV head, as instantiated in the .cu
-SHAPES = ((4, 2), (8, 2), (4, 1))  # (warps per CTA, tiles in flight per warp), as built
+SHAPES = ((4, 2), (4, 4), (8, 1))  # (warps per CTA, tile buffers in shared memory), as built
 MAX_SPLITS = 16                # Hopper's largest (non-portable) cluster
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -62,44 +53,12 @@ class _Params(ctypes.Structure):
                 ("scale", ctypes.c_float)]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TANDEM_KERNEL_CACHE") or Path.home() / ".cache" / "tandem" / "kernels"
-    return Path(root)
-
-
-def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The built library, or a sentence saying why there is none."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        return "no nvcc on PATH or under CUDA_HOME"
-    source = SOURCE.read_bytes()
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(source + version.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_cluster-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        command = [nvcc, "-O3", "-use_fast_math", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-                   "-gencode=arch=compute_90,code=sm_90",
-                   "-gencode=arch=compute_90,code=compute_90",
-                   "-o", str(partial), str(SOURCE)]
-        logger.info("building the cluster decode-attention kernel with %s (once per version, "
-                 "~30-60 s) into %s", nvcc, target)
-        started = time.monotonic()
-        built = subprocess.run(command, capture_output=True, text=True)
-        if built.returncode != 0:
-            return f"nvcc failed: {built.stderr.strip()[-2000:]}"
-        os.replace(partial, target)  # atomic: concurrent workers never load a partial file
-        logger.info("built %s in %.1f s", target.name, time.monotonic() - started)
-    library = ctypes.CDLL(str(target))
+    library = build_library("decode_cluster")
+    if isinstance(library, str):
+        return library
     library.tandem_decode_cluster_launch.restype = ctypes.c_int
     library.tandem_decode_cluster_launch.argtypes = [
         ctypes.POINTER(_Params)] + [ctypes.c_int] * 8 + [ctypes.c_void_p, ctypes.c_int]

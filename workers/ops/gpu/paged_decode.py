@@ -196,16 +196,17 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
     part_out [B, H, S, D_pad] fp32, part_lse [B, H, S] fp32 (contiguous), out [B, H, D] with a
     contiguous last dim; sinks [H] or None. Columns are combined in chunks of at most 128 (one
-    chunk for a 128-wide head; MLA's 512-wide latent takes four programs per head).
+    chunk for a 128-wide head; MLA's 512-wide latent takes four programs per head), and of at
+    most 8192 partial values per program (more than 64 splits: narrower chunks).
     """
     num_seqs, num_heads, num_splits, width_pad = part_out.shape
-    chunk = min(width_pad, 128)
+    chunk = min(width_pad, 128, max(16, 8192 // num_splits))
     _combine_splits_kernel[(num_seqs, num_heads, width_pad // chunk)](
         part_out, part_lse, sinks if sinks is not None else part_lse, out,
         out.stride(0), out.stride(1), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=width_pad,
         NUM_SPLITS=num_splits, CHUNK_D=chunk, HAS_SINKS=sinks is not None,
         USE_PDL=pdl_enabled(out.device), launch_pdl=pdl_enabled(out.device),
-        num_warps=4 if chunk >= 128 else 1)
+        num_warps=4 if chunk >= 128 or num_splits > 64 else 1)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

@@ -3,7 +3,7 @@
 // shared memory, so no partial result goes through HBM and no second kernel runs.
 //
 // Status: an experiment, not used by the engine (bench/cluster_decode.py; numbers in
-// cluster_decode.py's docstring). At 1 x 4k it is slower than the Triton pair it meant to beat.
+// cluster_decode.py's docstring).
 //
 // Why: at batch 1 x 4k context the Triton split kernel (paged_decode.py) reads KV close to the
 // bare-read floor, but its combine is a second launch costing ~3.7 us in the chain
@@ -12,8 +12,17 @@
 //
 // Grid (num_splits, num_kv_heads, num_seqs), cluster (num_splits, 1, 1), WARPS warps per CTA.
 // Each CTA attends its G query heads over keys [lo, hi) of its sequence, as in paged_decode.py
-// (splits are whole tiles of WARPS x 16 keys; a window W keeps keys [len - W, len)). Each warp
-// takes 16 keys of a tile and runs tensor-core MMAs (m16n8k16, fp32 accumulate):
+// (splits are whole tiles of WARPS x 16 keys; a window W keeps keys [len - W, len)).
+//
+// Loading: KV rows reach shared memory by bulk asynchronous copies (cp.async.bulk, the TMA
+// engine), one 256-byte copy per key row of K and of V, into STAGES tile buffers each with
+// an mbarrier counting the bytes in flight. Warp 0 issues; the bytes in flight are bounded by
+// shared memory, not by registers (the first version of this kernel streamed through
+// registers and was limited by them). A stage is refilled once every warp has read it.
+// Rows are padded in shared memory (kKStride, kVStride) so the MMA operand loads below are
+// free of bank conflicts.
+//
+// Each warp takes 16 keys of a tile and runs tensor-core MMAs (m16n8k16, fp32 accumulate):
 //   scores   S [16 heads (G used) x 8 keys]  = Q [16 x 128] . K^T, two per 16 keys
 //   output   O^T [128 dims x 8 heads]       += V^T [128 x 16 keys] . P^T [16 keys x 8 heads]
 // P's accumulator layout is exactly the B operand of the second product, so probabilities
@@ -31,17 +40,19 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "decode_mma.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
 
-constexpr int kHeadDim = 128;
-constexpr int kChunk = 16;  // keys per warp per tile; a tile is WARPS * kChunk keys
-constexpr float kLog2e = 1.4426950408889634f;
-// Block ids staged in shared memory per CTA: 16k keys at block size 16. Staging them keeps the
-// table's latency out of the loop (one tile ahead, the id load's own latency stalled every
-// tile of the first version of this kernel).
-constexpr int kIdCache = 1024;
+using namespace tandem_decode;
+
+// Shared-memory row pitches. K is read as rows g, g + 1 at column 16c bytes per quarter warp
+// (pitch 80 words: rows 16 banks apart), V as rows 2c (+1) at column 16g bytes (pitch 68
+// words: rows 8 banks apart), so neither MMA operand load has a bank conflict.
+constexpr int kKStride = kRowBytes + 64;
+constexpr int kVStride = kRowBytes + 16;
 
 struct Params {  // mirrored by cluster_decode.py's ctypes structure: keep the order
   const void* q;
@@ -61,258 +72,171 @@ struct Params {  // mirrored by cluster_decode.py's ctypes structure: keep the o
   float scale;             // softmax scale (natural units)
 };
 
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1, __nv_bfloat16) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                    uint32_t a3, uint32_t b0, uint32_t b1, __half) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// 16 bytes global -> shared, asynchronous (cp.async, L2 only); `fill` false writes zeros and
+// reads nothing. Completion is per thread, by commit groups (async_commit / async_wait).
+__device__ __forceinline__ void async_copy16(void* dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(dst)),
+               "l"(src), "r"(fill ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int PENDING>  // wait until at most PENDING of this thread's groups are in flight
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
 }
 
-__device__ __forceinline__ uint32_t pack(float lo, float hi, __nv_bfloat16) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ uint32_t pack(float lo, float hi, __half) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) {
-  return __float2bfloat16(x);
-}
-__device__ __forceinline__ __half from_float(float x, __half) { return __float2half(x); }
-
-// Element t of x and element t of y (8 x 16-bit each) as one register: (x_t low, y_t high).
-__device__ __forceinline__ uint32_t pair(const uint4& x, const uint4& y, int t) {
-  const uint32_t xw = (&x.x)[t / 2], yw = (&y.x)[t / 2];
-  return __byte_perm(xw, yw, t % 2 ? 0x7632 : 0x5410);
-}
-
-__device__ __forceinline__ void wait_for_previous_kernel() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
-// A reference point for exp2 of running maxima: -inf (nothing seen) maps to 0 so that
-// exp2(-inf - ref) = 0 and never NaN.
-__device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
-
-// One warp's registers for one 16-key chunk. Lane = 4 * g + c (g = lane / 4, c = lane % 4).
-// kDims: k[u][s] = K[key 8u + g][32s + 8c, +8). In the score MMA over dims 32s..32s+31 the
-// lane's A (q) and B (k) registers use words .x/.y of this vector for the first k16 step and
-// .z/.w for the second, the same permutation on both sides, so the dot product is unchanged.
-// v_lo[i] / v_hi[i] = V[key kv(i)][8g, +8) / [64 + 8g, +8), kv(i) = 2c, 2c+1, 2c+8, 2c+9: the
-// A operand of V^T's m-tile t is element t of these, so O^T's row (g, t) is dim 8g + t and
-// row (g + 8, t) is dim 64 + 8g + t.
-struct Chunk {
-  uint4 k[2][4];
-  uint4 v_lo[4], v_hi[4];
-};
-
-template <typename T, int G, int WARPS>
+template <typename T, int G, int WARPS, int STAGES>
 struct DecodeCta {
+  static constexpr int kThreads = WARPS * 32;
   static constexpr int kTile = WARPS * kChunk;
+  static constexpr int kPieces = kRowBytes / 16;  // 16-byte copies per row
+  // Rows of a tile one thread copies: thread t copies piece t % kPieces of rows
+  // t / kPieces + j * kRowStep (of K and of V).
+  static constexpr int kRowStep = kThreads / kPieces;
+  static constexpr int kRowsPerThread = kTile / kRowStep;
+  static constexpr int kStageBytes = kTile * (kKStride + kVStride);
+  static constexpr int kSharedBytes = STAGES * kStageBytes;
 
   const Params& p;
   const int32_t* table;
-  const int* ids;  // shared memory: block ids of this CTA's range, from first_block on
-  int first_block;
-  const T* k_head;  // this KV head's row in slot 0 of block 0
-  const T* v_head;
-  int lo, hi, seq_len, g, c;
+  const char* k_head;  // this KV head's row in slot 0 of block 0
+  const char* v_head;
+  char* stages;        // dynamic shared memory: STAGES x (kTile K rows, kTile V rows)
+  int lo, hi, seq_len, num_tiles, g, c;
 
-  __device__ DecodeCta(const Params& params, const int* staged_ids, int seq, int kv_head,
+  __device__ DecodeCta(const Params& params, char* stage_memory, int seq, int kv_head,
                        int split, int num_splits, int lane)
-      : p(params), ids(staged_ids), g(lane >> 2), c(lane & 3) {
+      : p(params), stages(stage_memory), g(lane >> 2), c(lane & 3) {
     seq_len = p.seq_lens[seq];
     const int first = p.sliding_window > 0 ? max(seq_len - p.sliding_window, 0) : 0;
     const int n = max(seq_len - first, 0);
     const int per_split = ((n + num_splits - 1) / num_splits + kTile - 1) / kTile * kTile;
     lo = first + split * per_split;
     hi = min(lo + per_split, seq_len);
+    num_tiles = hi > lo ? (hi - lo + kTile - 1) / kTile : 0;
     table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
-    first_block = lo / p.block_size;
-    k_head = static_cast<const T*>(p.k_cache) + kv_head * p.k_stride_head;
-    v_head = static_cast<const T*>(p.v_cache) + kv_head * p.v_stride_head;
+    k_head = static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * sizeof(T);
+    v_head = static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * sizeof(T);
   }
 
-  // The cache block holding key `pos`: from the ids staged in shared memory, or from the
-  // table for the part of a very long range that does not fit.
-  __device__ __forceinline__ int64_t block_of(int pos) const {
-    const int b = pos / p.block_size - first_block;
-    return b < kIdCache ? ids[b] : __ldg(table + pos / p.block_size);
+  __device__ __forceinline__ char* k_rows(int stage) const { return stages + stage * kStageBytes; }
+  __device__ __forceinline__ char* v_rows(int stage) const {
+    return k_rows(stage) + kTile * kKStride;
   }
 
-  // Whether key `pos` is loaded now: inside the range, and not the newest key while the
-  // previous kernel may still be writing it (`before_wait`); after the wait only the newest
-  // key (`newest_only`, load_newest).
-  __device__ __forceinline__ bool wanted(int pos, bool before_wait, bool newest_only) const {
-    const bool newest = pos == seq_len - 1;
-    return pos < hi && (newest_only ? newest : !(newest && before_wait));
-  }
-
-  __device__ __forceinline__ uint4 load(const T* row, int pos, int offset) const {
-    const uint4* at = reinterpret_cast<const uint4*>(row + offset);
-    return pos == seq_len - 1 ? __ldcg(at) : __ldg(at);  // the newest: never a stale L1 line
-  }
-
-  __device__ __forceinline__ const T* k_row(int pos) const {
-    return k_head + block_of(pos) * p.k_stride_block + (pos % p.block_size) * p.k_stride_slot;
-  }
-  __device__ __forceinline__ const T* v_row(int pos) const {
-    return v_head + block_of(pos) * p.v_stride_block + (pos % p.block_size) * p.v_stride_slot;
-  }
-
-  // The chunk of 16 keys at `start` into registers (zeros where not `wanted`, unless
-  // newest_only, which overwrites only the newest key's registers).
-  __device__ __forceinline__ void load_chunk(int start, Chunk& ch, bool before_wait,
-                                             bool newest_only = false) const {
+  // Block ids of the rows this thread copies in tile `tile` (0 past the range).
+  __device__ __forceinline__ void load_ids(int tile, int (&ids)[kRowsPerThread]) const {
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int pos = start + 8 * u + g;
-      if (wanted(pos, before_wait, newest_only)) {
-        const T* row = k_row(pos);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) ch.k[u][s] = load(row, pos, 32 * s + 8 * c);
-      } else if (!newest_only) {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) ch.k[u][s] = make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int pos = start + 2 * c + (i & 1) + 8 * (i >> 1);
-      if (wanted(pos, before_wait, newest_only)) {
-        const T* row = v_row(pos);
-        ch.v_lo[i] = load(row, pos, 8 * g);
-        ch.v_hi[i] = load(row, pos, 64 + 8 * g);
-      } else if (!newest_only) {
-        ch.v_lo[i] = make_uint4(0, 0, 0, 0);
-        ch.v_hi[i] = make_uint4(0, 0, 0, 0);
-      }
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int pos = lo + tile * kTile + threadIdx.x / kPieces + j * kRowStep;
+      ids[j] = pos < hi ? __ldg(table + pos / p.block_size) : 0;
     }
   }
 
-  // One online-softmax step over the chunk at `start`. m: running max of head g (log2 units,
-  // the same in the 4 lanes of g); l: this lane's share of head g's running sum; acc[t]:
-  // O^T rows (g, t) and (g + 8, t) for heads 2c and 2c + 1 (MMA accumulator layout).
-  __device__ __forceinline__ void attend(int start, const Chunk& ch, const uint4 (&q)[4],
-                                         float q_scale, float& m, float& l,
-                                         float (&acc)[8][4]) const {
-    float s[2][4];
+  // This thread's pieces of tile `tile` into its stage; rows past the range become zeros.
+  // The newest key is copied only if `newest` says so (kSkip before the PDL wait, kOnly
+  // after it for the pieces skipped then).
+  enum Newest { kSkip, kOnly, kWith };
+  __device__ __forceinline__ void issue(int tile, const int (&ids)[kRowsPerThread],
+                                        Newest newest) const {
+    const int stage = tile % STAGES, start = lo + tile * kTile;
+    const int piece = (threadIdx.x % kPieces) * 16;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      s[u][0] = s[u][1] = s[u][2] = s[u][3] = 0.f;
-#pragma unroll
-      for (int d = 0; d < 4; ++d) {
-        mma(s[u], q[d].x, 0u, q[d].y, 0u, ch.k[u][d].x, ch.k[u][d].y, T());
-        mma(s[u], q[d].z, 0u, q[d].w, 0u, ch.k[u][d].z, ch.k[u][d].w, T());
-      }
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const int row = threadIdx.x / kPieces + j * kRowStep, pos = start + row;
+      const bool is_newest = pos == seq_len - 1;
+      if ((newest == kSkip && is_newest) || (newest == kOnly && !is_newest)) continue;
+      const bool in = pos < hi;
+      const int64_t block = ids[j], slot = in ? pos % p.block_size : 0;
+      async_copy16(k_rows(stage) + row * kKStride + piece,
+                   k_head + (block * p.k_stride_block + slot * p.k_stride_slot) * sizeof(T) +
+                       piece, in);
+      async_copy16(v_rows(stage) + row * kVStride + piece,
+                   v_head + (block * p.v_stride_block + slot * p.v_stride_slot) * sizeof(T) +
+                       piece, in);
     }
-    // s[u][0..1]: head g, keys start + 8u + 2c + {0, 1} (s[u][2..3]: padding heads).
-    float chunk_max = -INFINITY;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool visible = start + 8 * u + 2 * c + e < hi;
-        s[u][e] = visible ? s[u][e] * q_scale : -INFINITY;
-        chunk_max = fmaxf(chunk_max, s[u][e]);
-      }
-    }
-    chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
-    chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
-    const float m_new = fmaxf(m, chunk_max);
-    const float ref = finite_or_zero(m_new);
-    const float alpha = exp2f(m - ref);
-    m = m_new;
-    float p[2][2];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      p[u][0] = exp2f(s[u][0] - ref);
-      p[u][1] = exp2f(s[u][1] - ref);
-    }
-    l = l * alpha + (p[0][0] + p[0][1]) + (p[1][0] + p[1][1]);
-    // Rescale O^T's columns: heads 2c and 2c + 1, whose alpha the lanes of g = 2c, 2c + 1 hold.
-    const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * c);
-    const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
-    const uint32_t b0 = pack(p[0][0], p[0][1], T()), b1 = pack(p[1][0], p[1][1], T());
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      acc[t][0] *= alpha0;
-      acc[t][1] *= alpha1;
-      acc[t][2] *= alpha0;
-      acc[t][3] *= alpha1;
-      mma(acc[t], pair(ch.v_lo[0], ch.v_lo[1], t), pair(ch.v_hi[0], ch.v_hi[1], t),
-          pair(ch.v_lo[2], ch.v_lo[3], t), pair(ch.v_hi[2], ch.v_hi[3], t), b0, b1, T());
-    }
+  }
+
+  // This warp's 16 keys of tile `tile` (rows `mine`..) from shared memory into MMA operand
+  // registers; rows past the range hold zeros (issue).
+  __device__ __forceinline__ void load_chunk(int tile, int mine, Chunk& ch) const {
+    const int stage = tile % STAGES;
+    tandem_decode::load_chunk(k_rows(stage) + mine * kKStride, kKStride,
+                              v_rows(stage) + mine * kVStride, kVStride, g, c, ch);
   }
 };
 
 template <typename T, int G, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32, 1) decode_cluster_kernel(const Params p) {
-  using Cta = DecodeCta<T, G, WARPS>;
-  constexpr int kThreads = WARPS * 32, kTile = Cta::kTile;
+  using Cta = DecodeCta<T, G, WARPS, STAGES>;
+  constexpr int kThreads = WARPS * 32;
+  extern __shared__ __align__(128) char stage_memory[];
   __shared__ float warp_m[WARPS][G], warp_l[WARPS][G];
   __shared__ float warp_acc[WARPS][G][kHeadDim];
   __shared__ float cta_m[G], cta_l[G];  // read by the whole cluster
   __shared__ float cta_o[G][kHeadDim];
-  __shared__ int staged_ids[kIdCache];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int num_splits = gridDim.x;
   const int kv_head = blockIdx.y;
   const int seq = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const Cta cta(p, staged_ids, seq, kv_head, blockIdx.x, num_splits, lane);
-  const int mine = warp * kChunk;  // this warp's chunk within each tile
+  const Cta cta(p, stage_memory, seq, kv_head, blockIdx.x, num_splits, lane);
+  const int mine = warp * kChunk;  // this warp's rows within each tile
 
   // Tables are filled at least two kernels earlier (attention_gpu.py): safe before the wait.
-  const int num_blocks = cta.hi > cta.lo ? (cta.hi - 1) / p.block_size - cta.first_block + 1 : 0;
-  for (int b = threadIdx.x; b < min(num_blocks, kIdCache); b += kThreads)
-    staged_ids[b] = __ldg(cta.table + cta.first_block + b);
-  __syncthreads();
-
-  Chunk chunks[STAGES];
+  // Commit groups, the same sequence in every thread (some empty): tiles 0..STAGES-1, the
+  // newest key, then one refill per consumed tile.
+  int ids[STAGES][Cta::kRowsPerThread];
 #pragma unroll
-  for (int s = 0; s < STAGES; ++s) cta.load_chunk(cta.lo + s * kTile + mine, chunks[s], true);
+  for (int s = 0; s < STAGES; ++s) cta.load_ids(s, ids[s]);
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) {
+    if (s < cta.num_tiles) cta.issue(s, ids[s], Cta::kSkip);
+    async_commit();
+  }
 
   wait_for_previous_kernel();  // q and this step's newest key come from earlier kernels
 
 #pragma unroll
   for (int s = 0; s < STAGES; ++s)
-    cta.load_chunk(cta.lo + s * kTile + mine, chunks[s], false, /*newest_only=*/true);
-  // q row g (zeros for padding rows g >= G), dims 32d + 8c .. +8: the A operand (kDims).
+    if (s < cta.num_tiles) cta.issue(s, ids[s], Cta::kOnly);
+  async_commit();
   uint4 q[4];
-#pragma unroll
-  for (int d = 0; d < 4; ++d) {
-    q[d] = make_uint4(0, 0, 0, 0);
-    if (cta.g < G)
-      q[d] = __ldcg(reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.q) + seq * p.q_stride_tok +
-          (kv_head * G + cta.g) * p.q_stride_head + 32 * d + 8 * cta.c));
-  }
+  load_q<T, G>(static_cast<const T*>(p.q) + seq * p.q_stride_tok + kv_head * G * p.q_stride_head,
+               p.q_stride_head, cta.g, cta.c, q);
   const float q_scale = p.scale * kLog2e;
 
   float m = -INFINITY, l = 0.f, acc[8][4];
 #pragma unroll
   for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-  for (int base = cta.lo; base < cta.hi; base += STAGES * kTile) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      const int start = base + s * kTile;
-      if (start >= cta.hi) break;
-      cta.attend(start + mine, chunks[s], q, q_scale, m, l, acc);
-      cta.load_chunk(start + STAGES * kTile + mine, chunks[s], false);  // STAGES tiles ahead
+  int next_ids[Cta::kRowsPerThread];  // ids of the next tile to refill a stage with
+  if (STAGES < cta.num_tiles) cta.load_ids(STAGES, next_ids);
+  for (int tile = 0; tile < cta.num_tiles; ++tile) {
+    // Groups committed so far: STAGES + 1 + tile. At most STAGES - 1 pending leaves tile
+    // `tile`'s group landed; the last tile waits for everything (the newest key's group).
+    if (tile + 1 < cta.num_tiles)
+      async_wait<STAGES - 1>();
+    else
+      async_wait<0>();
+    __syncthreads();  // every thread's pieces of this tile have landed
+    Chunk ch;
+    cta.load_chunk(tile, mine, ch);
+    attend<T>(cta.lo + tile * Cta::kTile + mine, cta.lo, cta.hi, cta.g, cta.c, ch, q, q_scale, m,
+              l, acc);
+    const int refill = tile + STAGES;
+    __syncthreads();  // every warp has read this stage
+    if (refill < cta.num_tiles) {
+      cta.issue(refill, next_ids, Cta::kWith);
+      if (refill + 1 < cta.num_tiles) cta.load_ids(refill + 1, next_ids);
     }
+    async_commit();
   }
 
   // The warp's state into shared memory: m and the full l of head g, O^T columns by head.
@@ -380,38 +304,49 @@ __global__ void __launch_bounds__(WARPS * 32, 1) decode_cluster_kernel(const Par
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
-using KernelFn = void (*)(const Params);
+struct Kernel {
+  void (*fn)(const Params);
+  int shared_bytes;  // dynamic shared memory: the stage buffers
+};
 
+template <typename T, int G, int WARPS, int STAGES>
+Kernel kernel_of() {
+  return {decode_cluster_kernel<T, G, WARPS, STAGES>,
+          DecodeCta<T, G, WARPS, STAGES>::kSharedBytes};
+}
+
+// The built (warps, stages) shapes; cluster_decode.py's SHAPES lists the same.
 template <typename T, int G>
-KernelFn pick_shape(int warps, int stages) {
-  if (warps == 4 && stages == 2) return decode_cluster_kernel<T, G, 4, 2>;
-  if (warps == 8 && stages == 2) return decode_cluster_kernel<T, G, 8, 2>;
-  if (warps == 4 && stages == 1) return decode_cluster_kernel<T, G, 4, 1>;
-  return nullptr;
+Kernel pick_shape(int warps, int stages) {
+  if (warps == 4 && stages == 2) return kernel_of<T, G, 4, 2>();
+  if (warps == 4 && stages == 4) return kernel_of<T, G, 4, 4>();
+  if (warps == 8 && stages == 1) return kernel_of<T, G, 8, 1>();
+  return {nullptr, 0};
 }
 
 template <typename T>
-KernelFn pick_group(int group, int warps, int stages) {
+Kernel pick_group(int group, int warps, int stages) {
   switch (group) {
     case 1: return pick_shape<T, 1>(warps, stages);
     case 2: return pick_shape<T, 2>(warps, stages);
     case 4: return pick_shape<T, 4>(warps, stages);
     case 8: return pick_shape<T, 8>(warps, stages);
-    default: return nullptr;
+    default: return {nullptr, 0};
   }
 }
 
-KernelFn pick_kernel(int dtype, int group, int warps, int stages) {
+Kernel pick_kernel(int dtype, int group, int warps, int stages) {
   if (dtype == 0) return pick_group<__nv_bfloat16>(group, warps, stages);
   if (dtype == 1) return pick_group<__half>(group, warps, stages);
-  return nullptr;
+  return {nullptr, 0};
 }
 
-cudaLaunchConfig_t cluster_config(int warps, int num_splits, int num_kv_heads, int num_seqs,
-                                  cudaLaunchAttribute* attrs) {
+cudaLaunchConfig_t cluster_config(const Kernel& kernel, int warps, int num_splits,
+                                  int num_kv_heads, int num_seqs, cudaLaunchAttribute* attrs) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(num_splits, num_kv_heads, num_seqs);
   config.blockDim = dim3(warps * 32, 1, 1);
+  config.dynamicSmemBytes = kernel.shared_bytes;
   attrs[0].id = cudaLaunchAttributeClusterDimension;
   attrs[0].val.clusterDim.x = num_splits;
   attrs[0].val.clusterDim.y = 1;
@@ -421,44 +356,48 @@ cudaLaunchConfig_t cluster_config(int warps, int num_splits, int num_kv_heads, i
   return config;
 }
 
-cudaError_t prepare(KernelFn kernel, int num_splits, int device) {
+cudaError_t prepare(const Kernel& kernel, int num_splits, int device) {
   // This library links its own CUDA runtime: make the caller's device current for it.
   cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kernel.shared_bytes);
   if (err == cudaSuccess && num_splits > 8)  // 16-CTA clusters are Hopper's non-portable max
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    err = cudaFuncSetAttribute(kernel.fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   return err;
 }
 
 }  // namespace
 
 // `params` points at a Params (a void pointer keeps this symbol's linkage external).
-// Returns 0 or a cudaError_t; -1 for a (dtype, group, stages) that is not built.
+// Returns 0 or a cudaError_t; -1 for a (dtype, group, warps, stages) that is not built.
 extern "C" int tandem_decode_cluster_launch(const void* params, int dtype, int group,
                                             int warps, int stages, int num_seqs,
                                             int num_kv_heads, int num_splits, int device,
                                             void* stream, int pdl) {
-  const KernelFn kernel = pick_kernel(dtype, group, warps, stages);
-  if (kernel == nullptr) return -1;
+  const Kernel kernel = pick_kernel(dtype, group, warps, stages);
+  if (kernel.fn == nullptr) return -1;
   const cudaError_t err = prepare(kernel, num_splits, device);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t config = cluster_config(warps, num_splits, num_kv_heads, num_seqs, attrs);
+  cudaLaunchConfig_t config =
+      cluster_config(kernel, warps, num_splits, num_kv_heads, num_seqs, attrs);
   config.stream = static_cast<cudaStream_t>(stream);
   attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[1].val.programmaticStreamSerializationAllowed = pdl;
   config.numAttrs = 2;
-  return cudaLaunchKernelEx(&config, kernel, *static_cast<const Params*>(params));
+  return cudaLaunchKernelEx(&config, kernel.fn, *static_cast<const Params*>(params));
 }
 
 // How many clusters of `num_splits` CTAs can be resident at once (<0 on error).
 extern "C" int tandem_decode_cluster_max_active(int dtype, int group, int warps, int stages,
                                                 int num_splits, int device) {
-  const KernelFn kernel = pick_kernel(dtype, group, warps, stages);
-  if (kernel == nullptr) return -1;
+  const Kernel kernel = pick_kernel(dtype, group, warps, stages);
+  if (kernel.fn == nullptr) return -1;
   if (prepare(kernel, num_splits, device) != cudaSuccess) return -2;
   cudaLaunchAttribute attrs[1];
-  const cudaLaunchConfig_t config = cluster_config(warps, num_splits, 1, 1, attrs);
+  const cudaLaunchConfig_t config = cluster_config(kernel, warps, num_splits, 1, 1, attrs);
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) return -3;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel.fn, &config) != cudaSuccess) return -3;
   return clusters;
 }

@@ -1,0 +1,137 @@
+"""Decode attention whose split pass reads whole cache blocks by bulk copy
+(cuda/decode_blocks.cu), then paged_decode's Triton combine: from Python.
+
+The split pass moves each cache slot (every KV head, kv_heads x 256 bytes) into shared memory
+with one TMA bulk copy, so the bytes in flight per SM are bounded by shared memory rather
+than by registers; see the .cu for the layout. It needs the cache's slots and heads
+contiguous within a block (the engine's [num_blocks, block_size, kv_heads, 128] layout, per
+layer, blocks at any stride), head_dim 128, 2/4/8 KV heads, 1/2/4/8 query heads per KV head,
+block_size a multiple of 16, bf16/fp16, an NVIDIA sm_90+ GPU and nvcc (cuda_build.py).
+`block_decode_supported` says why not otherwise, and the caller keeps paged_decode.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tandem.workers.ops.gpu.cuda_build import build_library
+from tandem.workers.ops.gpu.paged_decode import combine_splits
+from tandem.workers.ops.gpu.pdl import pdl_enabled
+
+HEAD_DIM = 128
+GROUPS = (1, 2, 4, 8)   # query heads per KV head, as instantiated in the .cu
+KV_HEADS = (2, 4, 8)    # warps per CTA, one per KV head
+MAX_SPLITS = 256        # the combine's arange: a power of two
+MAX_STAGES = 8          # kMaxStages in the .cu
+SHARED_BUDGET = 200 * 1024  # bytes of block buffers per CTA (one CTA per SM)
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+
+
+class _Params(ctypes.Structure):
+    """Mirrors `Params` in decode_blocks.cu, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "part_out",
+                 "part_lse")] + \
+               [(name, ctypes.c_int64) for name in
+                ("q_stride_tok", "q_stride_head", "k_stride_block", "v_stride_block",
+                 "table_stride")] + \
+               [(name, ctypes.c_int32) for name in
+                ("block_size", "sliding_window", "stages")] + [("scale", ctypes.c_float)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    library = build_library("decode_blocks")
+    if isinstance(library, str):
+        return library
+    library.tandem_decode_blocks_launch.restype = ctypes.c_int
+    library.tandem_decode_blocks_launch.argtypes = [ctypes.POINTER(_Params)] + \
+        [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_int]
+    return library
+
+
+def _stage_bytes(block_size: int, kv_heads: int) -> int:
+    slot = kv_heads * HEAD_DIM * 2
+    return block_size * ((slot + 64) + (slot + 16))  # padded pitches (kKPitch, kVPitch)
+
+
+def block_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           num_splits: int) -> str | None:
+    """None if `block_decode_attention` can run these inputs, else the reason it cannot."""
+    if q.device.type != "cuda" or torch.version.cuda is None:
+        return "needs an NVIDIA GPU"
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "needs sm_90+ (TMA bulk copies)"
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"needs bf16/fp16 q and caches, got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    if head_dim != HEAD_DIM:
+        return f"needs head_dim {HEAD_DIM}, got {head_dim}"
+    if kv_heads not in KV_HEADS or q.shape[1] // kv_heads not in GROUPS:
+        return (f"needs {KV_HEADS} KV heads with {GROUPS} query heads each, got {kv_heads} "
+                f"KV / {q.shape[1]} query heads")
+    if block_size % 16:
+        return f"needs a block size that is a multiple of 16, got {block_size}"
+    for cache in (k_cache, v_cache):
+        if cache.stride()[1:] != (kv_heads * HEAD_DIM, HEAD_DIM, 1) or cache.stride(0) % 8:
+            return f"needs slots and heads contiguous within a block, got strides {cache.stride()}"
+    if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
+        return f"needs a power-of-two split count <= {MAX_SPLITS}, got {num_splits}"
+    if _stage_bytes(block_size, kv_heads) > SHARED_BUDGET:
+        return f"one block of {block_size} slots x {kv_heads} heads overflows shared memory"
+    library = _library()
+    return library if isinstance(library, str) else None
+
+
+def block_splits_for(num_seqs: int, max_seq_len: int, block_size: int, num_sms: int) -> int:
+    """Splits per sequence: one CTA per SM in one wave, never more splits than blocks, a
+    power of two (the combine's arange). Depends only on the batch shape and the longest
+    context, so a CUDA graph captured for a batch size stays valid at every length."""
+    wanted = max(1, num_sms // max(1, num_seqs))
+    blocks = max(1, -(-max_seq_len // block_size))
+    splits = min(wanted, blocks, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)
+
+
+def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           *, num_splits: int, out: torch.Tensor | None = None,
+                           sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None,
+                           stages: int | None = None) -> torch.Tensor:
+    """Same contract as paged_decode.paged_decode_attention (q [B, H, 128] -> out [B, H, 128]);
+    the caller checks `block_decode_supported` first. stages: block buffers per CTA (default:
+    as many as fit SHARED_BUDGET, at most MAX_STAGES)."""
+    library = _library()
+    if isinstance(library, str):
+        raise RuntimeError(f"block decode attention unavailable: {library}")
+    num_seqs, num_heads, _ = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    stage_bytes = _stage_bytes(block_size, kv_heads)
+    if stages is None:
+        stages = min(MAX_STAGES, SHARED_BUDGET // stage_bytes)
+    if q.stride(2) != 1:
+        raise ValueError("q needs a contiguous head_dim")
+    if out is None:
+        out = torch.empty_like(q)
+    part_out = torch.empty(num_seqs, num_heads, num_splits, HEAD_DIM, dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
+                           device=q.device)
+    params = _Params(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
+        q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
+        block_size, sliding_window or 0, stages, scale)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    status = library.tandem_decode_blocks_launch(
+        ctypes.byref(params), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,
+        num_splits, stages * stage_bytes, q.device.index or 0, stream,
+        int(pdl_enabled(q.device)))
+    if status != 0:
+        raise RuntimeError(f"block decode attention launch failed: status {status}")
+    combine_splits(part_out, part_lse, out, sinks)
+    return out
+

@@ -1,0 +1,313 @@
+// Split-KV paged decode attention whose CTAs read whole cache blocks: the split pass of a
+// flash-decoding pair (the combine is paged_decode.py's Triton kernel), built for batch 1-8 at
+// long contexts, where every byte of KV must stream at close to copy bandwidth.
+//
+// Why: a cache block holds block_size slots x every KV head, contiguous (kv_cache layout
+// [num_blocks, block_size, kv_heads, 128]), so one slot of K is kv_heads x 256 bytes in one
+// piece. Here a CTA takes a run of whole blocks of one sequence and every KV head (warp h
+// attends KV head h), and moves each slot with one bulk asynchronous copy (cp.async.bulk, the
+// TMA engine) of kv_heads x 256 bytes into shared memory. The Triton split kernel instead
+// gathers one KV head's 256-byte rows into registers, which bounds its bytes in flight per SM.
+//
+// Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks
+// [b0, b0 + n) of its visible range (whole blocks; keys outside [first, seq_len) are masked,
+// first = seq_len - window with a sliding window), through `stages` buffers of one block
+// each, every buffer with an mbarrier counting the bytes in flight. Warp 0 issues the copies
+// and refills a buffer once every warp has read it. Slots past the sequence are zeroed
+// instead of copied (their V must not be NaN garbage: 0 x NaN = NaN in the MMA).
+// Shared rows are padded (kKPitch, kVPitch) so decode_mma.cuh's operand loads are free of
+// bank conflicts: K rows g, g + 1 land 64 bytes apart modulo 128, V rows 2c 32 bytes apart.
+// Output per (sequence, query head, split): o = sum p v / sum p [128] fp32 and
+// lse = log sum exp(score) (natural log), the partials paged_decode.combine_splits reads;
+// an empty split writes lse = -inf and o = 0.
+// PDL: the first `stages` blocks are requested before griddepcontrol.wait except the newest
+// key's slot (invariant, as in paged_decode.py: a decode step's KV write touches only each
+// sequence's newest row), which is copied after it; q and every store come after it too.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "decode_mma.cuh"
+
+namespace {
+
+using namespace tandem_decode;
+
+constexpr int kMaxStages = 8;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {  // mirrored by block_decode.py's ctypes structure: keep the order
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  float* part_out;  // [num_seqs, num_heads, num_splits, 128]
+  float* part_lse;  // [num_seqs, num_heads, num_splits]
+  int64_t q_stride_tok, q_stride_head;
+  int64_t k_stride_block, v_stride_block;  // elements; slots and heads are contiguous
+  int64_t table_stride;
+  int32_t block_size;      // a multiple of 16
+  int32_t sliding_window;  // 0: none
+  int32_t stages;          // block buffers in shared memory, <= kMaxStages
+  float scale;             // softmax scale (natural units)
+};
+
+template <int KV>
+struct Layout {
+  static constexpr int kSlotBytes = KV * kRowBytes;  // one slot of K (or V): every KV head
+  static constexpr int kKPitch = kSlotBytes + 64;
+  static constexpr int kVPitch = kSlotBytes + 16;
+};
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(bar)) : "memory");
+}
+
+// The phase's one arrival, announcing `bytes` of bulk copies to wait for.
+__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// `bytes` global -> this CTA's shared memory through the TMA engine, counted on `bar`.
+// Both addresses 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
+}
+
+enum Newest { kSkipNewest, kOnlyNewest, kWithNewest };
+
+template <typename T, int KV>
+struct BlockRun {
+  using L = Layout<KV>;
+  const Params& p;
+  char* buffers;   // dynamic shared memory: `stages` x (block_size K slots, then V slots)
+  uint64_t* full;  // [stages]: the buffer's bytes have landed
+  int seq_len, first, b0, n, stage_bytes;
+  const int32_t* table;
+
+  __device__ BlockRun(const Params& params, char* memory, uint64_t* barriers, int seq,
+                      int split, int num_splits)
+      : p(params), buffers(memory), full(barriers) {
+    seq_len = p.seq_lens[seq];
+    first = p.sliding_window > 0 ? max(seq_len - p.sliding_window, 0) : 0;
+    const int first_block = first / p.block_size;
+    const int end_block = (seq_len + p.block_size - 1) / p.block_size;
+    const int per = (max(end_block - first_block, 0) + num_splits - 1) / num_splits;
+    b0 = first_block + split * per;
+    n = max(min(b0 + per, end_block) - b0, 0);
+    stage_bytes = p.block_size * (L::kKPitch + L::kVPitch);
+    table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
+  }
+
+  __device__ __forceinline__ char* k_slots(int i) const {
+    return buffers + (i % p.stages) * stage_bytes;
+  }
+  __device__ __forceinline__ char* v_slots(int i) const {
+    return k_slots(i) + p.block_size * L::kKPitch;
+  }
+
+  // Warp 0: block i of the run (cache block `id`) into its buffer. kSkipNewest and
+  // kWithNewest zero the slots past the sequence and arm the buffer's barrier for every slot
+  // before it; kOnlyNewest copies just the newest key's slot, skipped before the PDL wait.
+  __device__ __forceinline__ void issue(int i, int64_t id, int lane, Newest mode) const {
+    uint64_t* bar = &full[i % p.stages];
+    const int base = (b0 + i) * p.block_size;
+    const int valid = min(max(seq_len - base, 0), p.block_size);
+    if (mode != kOnlyNewest) {
+      constexpr int kVectors = L::kSlotBytes / 16;
+      for (int v = lane; v < (p.block_size - valid) * kVectors; v += 32) {
+        const int slot = valid + v / kVectors, offset = (v % kVectors) * 16;
+        *reinterpret_cast<uint4*>(k_slots(i) + slot * L::kKPitch + offset) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_slots(i) + slot * L::kVPitch + offset) = make_uint4(0, 0, 0, 0);
+      }
+      __syncwarp();
+      if (lane == 0) barrier_expect(bar, valid * 2 * L::kSlotBytes);
+      __syncwarp();
+    }
+    const char* k_block = static_cast<const char*>(p.k_cache) + id * p.k_stride_block * sizeof(T);
+    const char* v_block = static_cast<const char*>(p.v_cache) + id * p.v_stride_block * sizeof(T);
+    for (int slot = lane; slot < valid; slot += 32) {
+      const bool newest = base + slot == seq_len - 1;
+      if ((mode == kSkipNewest && newest) || (mode == kOnlyNewest && !newest)) continue;
+      bulk_copy(k_slots(i) + slot * L::kKPitch, k_block + slot * L::kSlotBytes, L::kSlotBytes,
+                bar);
+      bulk_copy(v_slots(i) + slot * L::kVPitch, v_block + slot * L::kSlotBytes, L::kSlotBytes,
+                bar);
+    }
+  }
+};
+
+template <typename T, int G, int KV>
+__global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params p) {
+  using Run = BlockRun<T, KV>;
+  using L = Layout<KV>;
+  extern __shared__ __align__(128) char buffers[];
+  __shared__ __align__(8) uint64_t full[kMaxStages];
+  const int split = blockIdx.x, num_splits = gridDim.x, seq = blockIdx.y;
+  const int head = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const Run run(p, buffers, full, seq, split, num_splits);
+  const int prefill = min(run.n, p.stages);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < p.stages; ++s) barrier_init(&full[s]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Tables are filled at least two kernels earlier (attention_gpu.py): safe before the wait.
+  // Warp 0 lane i holds the id of the run's block i (i < prefill <= kMaxStages).
+  int id = 0;
+  if (head == 0 && lane < prefill) id = __ldg(run.table + run.b0 + lane);
+  if (head == 0)
+    for (int i = 0; i < prefill; ++i)
+      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kSkipNewest);
+
+  wait_for_previous_kernel();  // q and this step's newest key come from earlier kernels
+
+  if (head == 0)
+    for (int i = 0; i < prefill; ++i)
+      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kOnlyNewest);
+  uint4 q[4];
+  load_q<T, G>(static_cast<const T*>(p.q) + seq * p.q_stride_tok + head * G * p.q_stride_head,
+               p.q_stride_head, g, c, q);
+  const float q_scale = p.scale * kLog2e;
+
+  float m = -INFINITY, l = 0.f, acc[8][4];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+  int next_id = p.stages < run.n ? __ldg(run.table + run.b0 + p.stages) : 0;
+  for (int i = 0; i < run.n; ++i) {
+    barrier_wait(&full[i % p.stages], (i / p.stages) & 1);
+    const char* k = run.k_slots(i) + head * kRowBytes;
+    const char* v = run.v_slots(i) + head * kRowBytes;
+    for (int chunk = 0; chunk < p.block_size; chunk += kChunk) {
+      Chunk ch;
+      load_chunk(k + chunk * L::kKPitch, L::kKPitch, v + chunk * L::kVPitch, L::kVPitch, g, c,
+                 ch);
+      attend<T>((run.b0 + i) * p.block_size + chunk, run.first, run.seq_len, g, c, ch, q,
+                q_scale, m, l, acc);
+    }
+    const int refill = i + p.stages;
+    if (refill < run.n) {
+      __syncthreads();  // every warp has read this buffer
+      if (head == 0) {
+        // The buffer's shared-memory reads (generic proxy) before the TMA's writes (async).
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        run.issue(refill, next_id, lane, kWithNewest);
+        if (refill + 1 < run.n) next_id = __ldg(run.table + run.b0 + refill + 1);
+      }
+    }
+  }
+
+  // Partials of heads head * G + 2c + e: lane (g, c) holds dims 8g.. and 64 + 8g.. (acc).
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);  // head g's full sum, in the 4 lanes of g
+  const int num_heads = KV * G;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float l_e = __shfl_sync(0xffffffffu, l, (8 * c + 4 * e) & 31);  // head 2c + e
+    const int h = 2 * c + e;
+    if (h < G) {
+      const float inv = l_e > 0.f ? 1.f / l_e : 0.f;
+      float* row = p.part_out +
+                   ((static_cast<int64_t>(seq) * num_heads + head * G + h) * num_splits + split) *
+                       kHeadDim;
+      *reinterpret_cast<float4*>(row + 8 * g) =
+          make_float4(acc[0][e] * inv, acc[1][e] * inv, acc[2][e] * inv, acc[3][e] * inv);
+      *reinterpret_cast<float4*>(row + 8 * g + 4) =
+          make_float4(acc[4][e] * inv, acc[5][e] * inv, acc[6][e] * inv, acc[7][e] * inv);
+      *reinterpret_cast<float4*>(row + 64 + 8 * g) = make_float4(
+          acc[0][2 + e] * inv, acc[1][2 + e] * inv, acc[2][2 + e] * inv, acc[3][2 + e] * inv);
+      *reinterpret_cast<float4*>(row + 64 + 8 * g + 4) = make_float4(
+          acc[4][2 + e] * inv, acc[5][2 + e] * inv, acc[6][2 + e] * inv, acc[7][2 + e] * inv);
+    }
+  }
+  if (c == 0 && g < G)
+    p.part_lse[(static_cast<int64_t>(seq) * num_heads + head * G + g) * num_splits + split] =
+        l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+}
+
+using KernelFn = void (*)(const Params);
+
+template <typename T, int KV>
+KernelFn pick_group(int group) {
+  switch (group) {
+    case 1: return decode_blocks_kernel<T, 1, KV>;
+    case 2: return decode_blocks_kernel<T, 2, KV>;
+    case 4: return decode_blocks_kernel<T, 4, KV>;
+    case 8: return decode_blocks_kernel<T, 8, KV>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+KernelFn pick_heads(int kv_heads, int group) {
+  switch (kv_heads) {
+    case 2: return pick_group<T, 2>(group);
+    case 4: return pick_group<T, 4>(group);
+    case 8: return pick_group<T, 8>(group);
+    default: return nullptr;
+  }
+}
+
+KernelFn pick_kernel(int dtype, int kv_heads, int group) {
+  if (dtype == 0) return pick_heads<__nv_bfloat16>(kv_heads, group);
+  if (dtype == 1) return pick_heads<__half>(kv_heads, group);
+  return nullptr;
+}
+
+}  // namespace
+
+// `params` points at a Params. Returns 0 or a cudaError_t; -1 for a (dtype, kv_heads, group)
+// that is not built, -2 for a stage count out of range.
+extern "C" int tandem_decode_blocks_launch(const void* params, int dtype, int kv_heads,
+                                           int group, int num_seqs, int num_splits,
+                                           int shared_bytes, int device, void* stream,
+                                           int pdl) {
+  const KernelFn kernel = pick_kernel(dtype, kv_heads, group);
+  if (kernel == nullptr) return -1;
+  const int stages = static_cast<const Params*>(params)->stages;
+  if (stages < 1 || stages > kMaxStages) return -2;
+  // This library links its own CUDA runtime: make the caller's device current for it.
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               shared_bytes);
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(num_splits, num_seqs, 1);
+  config.blockDim = dim3(kv_heads * 32, 1, 1);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = pdl;
+  config.attrs = attrs;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, *static_cast<const Params*>(params));
+}
