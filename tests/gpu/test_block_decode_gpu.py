@@ -57,26 +57,29 @@ def test_matches_reference_across_splits_and_groups(heads, kv_heads, num_splits)
     assert rel(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("stages", [1, 2, 3])
-def test_buffers_refilled_when_a_split_has_more_blocks_than_stages(stages):
+def test_buffers_refilled_when_a_split_has_more_blocks_than_stages(stages, padded):
     q, k_cache, v_cache, meta, _ = decode_case([5000, 33], 32, 8, 16, torch.bfloat16, seed=5)
     ref = paged_attention_torch(q, k_cache, v_cache, meta, SCALE)
     out = block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
-                                 num_splits=4, stages=stages)
+                                 num_splits=4, stages=stages, padded=padded)
     assert rel(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 48, 5000])
 @pytest.mark.parametrize("sinks", [False, True])
-def test_windows_sinks_block_32_and_dtypes(dtype, window, sinks):
+def test_windows_sinks_block_32_and_dtypes(dtype, window, sinks, padded):
     q, k_cache, v_cache, meta, gen = decode_case([2, 64, 65, 700, 2049], 32, 4, 32, dtype,
                                                  seed=7 + (window or 0))
     sink = torch.randn(32, generator=gen, device=DEV) if sinks else None
     ref = paged_attention_torch(q, k_cache, v_cache, meta, SCALE, sliding_window=window,
                                 sinks=sink)
     out = block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
-                                 num_splits=16, sliding_window=window, sinks=sink)
+                                 num_splits=16, sliding_window=window, sinks=sink,
+                                 padded=padded)
     assert rel(out, ref) <= 1e-2
 
 
@@ -92,13 +95,14 @@ def test_empty_rows_give_zeros():
     assert rel(out[0], ref[0]) <= 1e-2
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 4, 64])
-def test_new_key_is_read_after_the_previous_kernel(num_splits):
+def test_new_key_is_read_after_the_previous_kernel(num_splits, padded):
     """RoPE + KV write, then this kernel, replayed in a CUDA graph; the new keys' slots are
     NaN before every replay, so copying one before the PDL wait poisons the output."""
     def attend(q, k_cache, v_cache, meta, out):
         block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
-                               num_splits=num_splits, out=out)
+                               num_splits=num_splits, out=out, padded=padded)
     for out, ref, _, _ in replay_rope_write_then_attend(attend, num_splits):
         assert rel(out, ref) <= 1e-2
 
@@ -120,3 +124,28 @@ def test_unsupported_inputs_say_why():
     strided = torch.empty(1, 16, 16, 128, dtype=torch.bfloat16, device=DEV)[:, :, :8]
     assert "contiguous" in block_decode_supported(_probe, strided, strided, 8)
     assert "multiple of 16" in block_decode_supported(_probe, _kv[:, :8], _kv[:, :8], 8)
+
+
+def test_chained_calls_read_the_previous_output():
+    """The combine lets the next kernel launch before its own wait (early trigger): a second
+    call whose q is the first call's output, replayed in a CUDA graph, must still read the
+    finished output (its loads of q come after its wait)."""
+    q, k_cache, v_cache, meta, _ = decode_case([3000, 700], 32, 8, 16, torch.bfloat16, seed=11)
+    first, second = torch.empty_like(q), torch.empty_like(q)
+
+    def chain():
+        first.fill_(float("nan"))
+        block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
+                               num_splits=64, out=first)
+        block_decode_attention(first, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE,
+                               num_splits=64, out=second)
+    chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    ref_first = paged_attention_torch(q, k_cache, v_cache, meta, SCALE)
+    ref_second = paged_attention_torch(first, k_cache, v_cache, meta, SCALE)
+    for _ in range(5):
+        graph.replay()
+        assert rel(first, ref_first) <= 1e-2
+        assert rel(second, ref_second) <= 1e-2

@@ -38,7 +38,8 @@ class _Params(ctypes.Structure):
                 ("q_stride_tok", "q_stride_head", "k_stride_block", "v_stride_block",
                  "table_stride")] + \
                [(name, ctypes.c_int32) for name in
-                ("block_size", "sliding_window", "stages")] + [("scale", ctypes.c_float)]
+                ("table_width", "block_size", "sliding_window", "stages", "padded")] + \
+               [("scale", ctypes.c_float)]
 
 
 @functools.cache
@@ -52,8 +53,10 @@ def _library() -> ctypes.CDLL | str:
     return library
 
 
-def _stage_bytes(block_size: int, kv_heads: int) -> int:
+def _stage_bytes(block_size: int, kv_heads: int, padded: bool = True) -> int:
     slot = kv_heads * HEAD_DIM * 2
+    if not padded:
+        return block_size * 2 * slot
     return block_size * ((slot + 64) + (slot + 16))  # padded pitches (kKPitch, kVPitch)
 
 
@@ -100,7 +103,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            *, num_splits: int, out: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None,
-                           stages: int | None = None) -> torch.Tensor:
+                           stages: int | None = None, padded: bool = True) -> torch.Tensor:
     """Same contract as paged_decode.paged_decode_attention (q [B, H, 128] -> out [B, H, 128]);
     the caller checks `block_decode_supported` first. stages: block buffers per CTA (default:
     as many as fit SHARED_BUDGET, at most MAX_STAGES)."""
@@ -109,7 +112,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(f"block decode attention unavailable: {library}")
     num_seqs, num_heads, _ = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    stage_bytes = _stage_bytes(block_size, kv_heads)
+    stage_bytes = _stage_bytes(block_size, kv_heads, padded)
     if stages is None:
         stages = min(MAX_STAGES, SHARED_BUDGET // stage_bytes)
     if q.stride(2) != 1:
@@ -124,7 +127,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-        block_size, sliding_window or 0, stages, scale)
+        block_tables.shape[1], block_size, sliding_window or 0, stages, int(padded), scale)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = library.tandem_decode_blocks_launch(
         ctypes.byref(params), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,
@@ -132,6 +135,6 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         int(pdl_enabled(q.device)))
     if status != 0:
         raise RuntimeError(f"block decode attention launch failed: status {status}")
-    combine_splits(part_out, part_lse, out, sinks)
+    combine_splits(part_out, part_lse, out, sinks, early_trigger=True)
     return out
 

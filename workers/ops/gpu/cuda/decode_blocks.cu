@@ -9,10 +9,11 @@
 // TMA engine) of kv_heads x 256 bytes into shared memory. The Triton split kernel instead
 // gathers one KV head's 256-byte rows into registers, which bounds its bytes in flight per SM.
 //
-// Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks
-// [b0, b0 + n) of its visible range (whole blocks; keys outside [first, seq_len) are masked,
-// first = seq_len - window with a sliding window), through `stages` buffers of one block
-// each, every buffer with an mbarrier counting the bytes in flight. Warp 0 issues the copies
+// Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks s,
+// s + num_splits, s + 2 num_splits, ... of its visible range (whole blocks; keys outside
+// [first, seq_len) are masked, first = seq_len - window with a sliding window). Strided, so
+// without a window the first ids are known before seq_len is: both loads go out together.
+// Blocks pass through `stages` buffers of one block each, every buffer with an mbarrier counting the bytes in flight. Warp 0 issues the copies
 // and refills a buffer once every warp has read it. Slots past the sequence are zeroed
 // instead of copied (their V must not be NaN garbage: 0 x NaN = NaN in the MMA).
 // Shared rows are padded (kKPitch, kVPitch) so decode_mma.cuh's operand loads are free of
@@ -48,9 +49,11 @@ struct Params {  // mirrored by block_decode.py's ctypes structure: keep the ord
   int64_t q_stride_tok, q_stride_head;
   int64_t k_stride_block, v_stride_block;  // elements; slots and heads are contiguous
   int64_t table_stride;
+  int32_t table_width;     // block ids per table row
   int32_t block_size;      // a multiple of 16
   int32_t sliding_window;  // 0: none
   int32_t stages;          // block buffers in shared memory, <= kMaxStages
+  int32_t padded;          // 1: padded slot pitches, one copy per slot; 0: one copy per block
   float scale;             // softmax scale (natural units)
 };
 
@@ -107,57 +110,71 @@ struct BlockRun {
   const Params& p;
   char* buffers;   // dynamic shared memory: `stages` x (block_size K slots, then V slots)
   uint64_t* full;  // [stages]: the buffer's bytes have landed
-  int seq_len, first, b0, n, stage_bytes;
-  const int32_t* table;
+  int seq_len, first, first_block, split, num_splits, n, stage_bytes;
+  int k_pitch, v_pitch;  // bytes between slots in a buffer
 
   __device__ BlockRun(const Params& params, char* memory, uint64_t* barriers, int seq,
-                      int split, int num_splits)
-      : p(params), buffers(memory), full(barriers) {
+                      int split_index, int splits)
+      : p(params), buffers(memory), full(barriers), split(split_index), num_splits(splits) {
     seq_len = p.seq_lens[seq];
     first = p.sliding_window > 0 ? max(seq_len - p.sliding_window, 0) : 0;
-    const int first_block = first / p.block_size;
+    first_block = first / p.block_size;
     const int end_block = (seq_len + p.block_size - 1) / p.block_size;
-    const int per = (max(end_block - first_block, 0) + num_splits - 1) / num_splits;
-    b0 = first_block + split * per;
-    n = max(min(b0 + per, end_block) - b0, 0);
-    stage_bytes = p.block_size * (L::kKPitch + L::kVPitch);
-    table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
+    n = max(end_block - first_block - split + num_splits - 1, 0) / num_splits;
+    k_pitch = p.padded ? L::kKPitch : L::kSlotBytes;
+    v_pitch = p.padded ? L::kVPitch : L::kSlotBytes;
+    stage_bytes = p.block_size * (k_pitch + v_pitch);
+  }
+
+  // The block index (in the sequence) of the run's i-th block.
+  __device__ __forceinline__ int block(int i) const {
+    return first_block + split + i * num_splits;
   }
 
   __device__ __forceinline__ char* k_slots(int i) const {
     return buffers + (i % p.stages) * stage_bytes;
   }
   __device__ __forceinline__ char* v_slots(int i) const {
-    return k_slots(i) + p.block_size * L::kKPitch;
+    return k_slots(i) + p.block_size * k_pitch;
   }
 
   // Warp 0: block i of the run (cache block `id`) into its buffer. kSkipNewest and
   // kWithNewest zero the slots past the sequence and arm the buffer's barrier for every slot
-  // before it; kOnlyNewest copies just the newest key's slot, skipped before the PDL wait.
+  // before it; kOnlyNewest copies just the newest key's slot, skipped before the PDL wait
+  // (the newest key, when a block holds it, is its last valid slot).
   __device__ __forceinline__ void issue(int i, int64_t id, int lane, Newest mode) const {
     uint64_t* bar = &full[i % p.stages];
-    const int base = (b0 + i) * p.block_size;
+    const int base = block(i) * p.block_size;
     const int valid = min(max(seq_len - base, 0), p.block_size);
     if (mode != kOnlyNewest) {
       constexpr int kVectors = L::kSlotBytes / 16;
       for (int v = lane; v < (p.block_size - valid) * kVectors; v += 32) {
         const int slot = valid + v / kVectors, offset = (v % kVectors) * 16;
-        *reinterpret_cast<uint4*>(k_slots(i) + slot * L::kKPitch + offset) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_slots(i) + slot * L::kVPitch + offset) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(k_slots(i) + slot * k_pitch + offset) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_slots(i) + slot * v_pitch + offset) = make_uint4(0, 0, 0, 0);
       }
       __syncwarp();
       if (lane == 0) barrier_expect(bar, valid * 2 * L::kSlotBytes);
       __syncwarp();
     }
+    const bool holds_newest = valid > 0 && base + valid == seq_len;
+    int from = 0, to = valid;  // slots to copy now
+    if (mode == kSkipNewest && holds_newest) to = valid - 1;
+    if (mode == kOnlyNewest) from = holds_newest ? valid - 1 : valid;
     const char* k_block = static_cast<const char*>(p.k_cache) + id * p.k_stride_block * sizeof(T);
     const char* v_block = static_cast<const char*>(p.v_cache) + id * p.v_stride_block * sizeof(T);
-    for (int slot = lane; slot < valid; slot += 32) {
-      const bool newest = base + slot == seq_len - 1;
-      if ((mode == kSkipNewest && newest) || (mode == kOnlyNewest && !newest)) continue;
-      bulk_copy(k_slots(i) + slot * L::kKPitch, k_block + slot * L::kSlotBytes, L::kSlotBytes,
-                bar);
-      bulk_copy(v_slots(i) + slot * L::kVPitch, v_block + slot * L::kSlotBytes, L::kSlotBytes,
-                bar);
+    if (p.padded) {  // one copy per slot, each to its padded row
+      for (int slot = from + lane; slot < to; slot += 32) {
+        bulk_copy(k_slots(i) + slot * k_pitch, k_block + slot * L::kSlotBytes, L::kSlotBytes,
+                  bar);
+        bulk_copy(v_slots(i) + slot * v_pitch, v_block + slot * L::kSlotBytes, L::kSlotBytes,
+                  bar);
+      }
+    } else if (lane == 0 && to > from) {  // the slots are contiguous in the cache and here
+      bulk_copy(k_slots(i) + from * k_pitch, k_block + from * L::kSlotBytes,
+                (to - from) * L::kSlotBytes, bar);
+      bulk_copy(v_slots(i) + from * v_pitch, v_block + from * L::kSlotBytes,
+                (to - from) * L::kSlotBytes, bar);
     }
   }
 };
@@ -165,13 +182,21 @@ struct BlockRun {
 template <typename T, int G, int KV>
 __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params p) {
   using Run = BlockRun<T, KV>;
-  using L = Layout<KV>;
   extern __shared__ __align__(128) char buffers[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   const int split = blockIdx.x, num_splits = gridDim.x, seq = blockIdx.y;
   const int head = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // Warp 0 lane i: the id of the run's block i (i < prefill <= kMaxStages), guessed with no
+  // window (first_block 0) while seq_len loads. Tables are filled at least two kernels
+  // earlier (attention_gpu.py): safe before the wait. Entries past a sequence are padding,
+  // loaded but never used.
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
+  const int guess = split + lane * num_splits;
+  int id = 0;
+  if (head == 0 && lane < p.stages && guess < p.table_width) id = __ldg(table + guess);
   const Run run(p, buffers, full, seq, split, num_splits);
   const int prefill = min(run.n, p.stages);
+  if (head == 0 && run.first_block != 0 && lane < prefill) id = __ldg(table + run.block(lane));
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) barrier_init(&full[s]);
@@ -179,10 +204,6 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   }
   __syncthreads();
 
-  // Tables are filled at least two kernels earlier (attention_gpu.py): safe before the wait.
-  // Warp 0 lane i holds the id of the run's block i (i < prefill <= kMaxStages).
-  int id = 0;
-  if (head == 0 && lane < prefill) id = __ldg(run.table + run.b0 + lane);
   if (head == 0)
     for (int i = 0; i < prefill; ++i)
       run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kSkipNewest);
@@ -200,16 +221,16 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   float m = -INFINITY, l = 0.f, acc[8][4];
 #pragma unroll
   for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-  int next_id = p.stages < run.n ? __ldg(run.table + run.b0 + p.stages) : 0;
+  int next_id = p.stages < run.n ? __ldg(table + run.block(p.stages)) : 0;
   for (int i = 0; i < run.n; ++i) {
     barrier_wait(&full[i % p.stages], (i / p.stages) & 1);
     const char* k = run.k_slots(i) + head * kRowBytes;
     const char* v = run.v_slots(i) + head * kRowBytes;
     for (int chunk = 0; chunk < p.block_size; chunk += kChunk) {
       Chunk ch;
-      load_chunk(k + chunk * L::kKPitch, L::kKPitch, v + chunk * L::kVPitch, L::kVPitch, g, c,
-                 ch);
-      attend<T>((run.b0 + i) * p.block_size + chunk, run.first, run.seq_len, g, c, ch, q,
+      load_chunk(k + chunk * run.k_pitch, run.k_pitch, v + chunk * run.v_pitch, run.v_pitch, g,
+                 c, ch);
+      attend<T>(run.block(i) * p.block_size + chunk, run.first, run.seq_len, g, c, ch, q,
                 q_scale, m, l, acc);
     }
     const int refill = i + p.stages;
@@ -219,7 +240,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
         // The buffer's shared-memory reads (generic proxy) before the TMA's writes (async).
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         run.issue(refill, next_id, lane, kWithNewest);
-        if (refill + 1 < run.n) next_id = __ldg(run.table + run.b0 + refill + 1);
+        if (refill + 1 < run.n) next_id = __ldg(table + run.block(refill + 1));
       }
     }
   }
