@@ -1,5 +1,5 @@
 """Decode attention whose split pass reads whole cache blocks by bulk copy
-(cuda/decode_blocks.cu), then paged_decode's Triton combine: from Python.
+(cuda/decode_blocks.cu), then a CUDA combine (cuda/decode_combine.cuh): from Python.
 
 The split pass moves each cache slot (every KV head, kv_heads x 256 bytes) into shared memory
 with one TMA bulk copy, so the bytes in flight per SM are bounded by shared memory rather
@@ -17,13 +17,12 @@ import functools
 import torch
 
 from tandem.workers.ops.gpu.cuda_build import build_library
-from tandem.workers.ops.gpu.paged_decode import combine_splits
 from tandem.workers.ops.gpu.pdl import pdl_enabled
 
 HEAD_DIM = 128
 GROUPS = (1, 2, 4, 8)   # query heads per KV head, as instantiated in the .cu
 KV_HEADS = (2, 4, 8)    # warps per CTA, one per KV head
-MAX_SPLITS = 256        # the combine's arange: a power of two
+MAX_SPLITS = 256        # kCombineMaxSplits in decode_combine.cuh
 MAX_STAGES = 8          # kMaxStages in the .cu
 SHARED_BUDGET = 200 * 1024  # bytes of block buffers per CTA (one CTA per SM)
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -42,14 +41,22 @@ class _Params(ctypes.Structure):
                [("scale", ctypes.c_float)]
 
 
+class _CombineParams(ctypes.Structure):
+    """Mirrors `CombineParams` in decode_combine.cuh, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("part_out", "part_lse", "sinks", "out")] + \
+               [(name, ctypes.c_int64) for name in ("out_stride_tok", "out_stride_head")] + \
+               [("num_splits", ctypes.c_int32)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     library = build_library("decode_blocks")
     if isinstance(library, str):
         return library
     library.tandem_decode_blocks_launch.restype = ctypes.c_int
-    library.tandem_decode_blocks_launch.argtypes = [ctypes.POINTER(_Params)] + \
-        [ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_int]
+    library.tandem_decode_blocks_launch.argtypes = [
+        ctypes.POINTER(_Params), ctypes.POINTER(_CombineParams)] + [ctypes.c_int] * 7 + \
+        [ctypes.c_void_p, ctypes.c_int]
     return library
 
 
@@ -80,8 +87,8 @@ def block_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for cache in (k_cache, v_cache):
         if cache.stride()[1:] != (kv_heads * HEAD_DIM, HEAD_DIM, 1) or cache.stride(0) % 8:
             return f"needs slots and heads contiguous within a block, got strides {cache.stride()}"
-    if not 1 <= num_splits <= MAX_SPLITS or num_splits & (num_splits - 1):
-        return f"needs a power-of-two split count <= {MAX_SPLITS}, got {num_splits}"
+    if not 1 <= num_splits <= MAX_SPLITS:
+        return f"needs a split count in 1..{MAX_SPLITS}, got {num_splits}"
     if _stage_bytes(block_size, kv_heads) > SHARED_BUDGET:
         return f"one block of {block_size} slots x {kv_heads} heads overflows shared memory"
     library = _library()
@@ -89,13 +96,11 @@ def block_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def block_splits_for(num_seqs: int, max_seq_len: int, block_size: int, num_sms: int) -> int:
-    """Splits per sequence: one CTA per SM in one wave, never more splits than blocks, a
-    power of two (the combine's arange). Depends only on the batch shape and the longest
-    context, so a CUDA graph captured for a batch size stays valid at every length."""
-    wanted = max(1, num_sms // max(1, num_seqs))
+    """Splits per sequence: one CTA per SM in one wave, never more splits than blocks. Depends
+    only on the batch shape and the longest context, so a CUDA graph captured for a batch size
+    stays valid at every length."""
     blocks = max(1, -(-max_seq_len // block_size))
-    splits = min(wanted, blocks, MAX_SPLITS)
-    return 1 << (splits.bit_length() - 1)
+    return max(1, min(num_sms // max(1, num_seqs), blocks, MAX_SPLITS))
 
 
 def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -119,6 +124,10 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("q needs a contiguous head_dim")
     if out is None:
         out = torch.empty_like(q)
+    if out.stride(2) != 1:
+        raise ValueError("out needs a contiguous head_dim")
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     part_out = torch.empty(num_seqs, num_heads, num_splits, HEAD_DIM, dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32,
@@ -128,13 +137,15 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         block_tables.shape[1], block_size, sliding_window or 0, stages, int(padded), scale)
+    combine = _CombineParams(
+        part_out.data_ptr(), part_lse.data_ptr(), sinks.data_ptr() if sinks is not None else None,
+        out.data_ptr(), out.stride(0), out.stride(1), num_splits)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = library.tandem_decode_blocks_launch(
-        ctypes.byref(params), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,
+        ctypes.byref(params), ctypes.byref(combine), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,
         num_splits, stages * stage_bytes, q.device.index or 0, stream,
         int(pdl_enabled(q.device)))
     if status != 0:
         raise RuntimeError(f"block decode attention launch failed: status {status}")
-    combine_splits(part_out, part_lse, out, sinks, early_trigger=True)
     return out
 

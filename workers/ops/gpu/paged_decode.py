@@ -39,7 +39,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
@@ -166,12 +165,9 @@ def _decode_split_kernel(
 def _combine_splits_kernel(
         part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_out_tok, stride_out_head,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
-        EARLY_TRIGGER: tl.constexpr):
+        CHUNK_D: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    if USE_PDL and EARLY_TRIGGER:  # the next kernel may launch now; it waits for this one
-        gdc_launch_dependents()
     wait_for_previous_kernel(USE_PDL)
     num_heads = tl.num_programs(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -195,29 +191,21 @@ def _combine_splits_kernel(
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   sinks: torch.Tensor | None = None, early_trigger: bool = False,
-                   chunk: int | None = None) -> None:
+                   sinks: torch.Tensor | None = None) -> None:
     """out[b, h] = the softmax-weighted sum of the splits' partial outputs (module docstring).
 
     part_out [B, H, S, D_pad] fp32, part_lse [B, H, S] fp32 (contiguous), out [B, H, D] with a
     contiguous last dim; sinks [H] or None. Columns are combined in chunks of at most 128 (one
-    chunk for a 128-wide head; MLA's 512-wide latent takes four programs per head), and of at
-    most 8192 partial values per program (more than 64 splits: narrower chunks).
-    early_trigger: let the next kernel launch before this one waits for the split pass, so
-    a next call's split pass that loads its KV before its own wait (block_decode.py) streams
-    while this combine runs. Its wait still orders every store after this combine's.
-    chunk: columns per program (a power of two dividing D_pad), instead of the rule above.
+    chunk for a 128-wide head; MLA's 512-wide latent takes four programs per head).
     """
     num_seqs, num_heads, num_splits, width_pad = part_out.shape
-    if chunk is None:
-        chunk = min(width_pad, 128, max(16, 8192 // num_splits))
+    chunk = min(width_pad, 128)
     _combine_splits_kernel[(num_seqs, num_heads, width_pad // chunk)](
         part_out, part_lse, sinks if sinks is not None else part_lse, out,
         out.stride(0), out.stride(1), HEAD_DIM=out.shape[-1], HEAD_DIM_PAD=width_pad,
         NUM_SPLITS=num_splits, CHUNK_D=chunk, HAS_SINKS=sinks is not None,
-        EARLY_TRIGGER=early_trigger,
         USE_PDL=pdl_enabled(out.device), launch_pdl=pdl_enabled(out.device),
-        num_warps=4 if chunk >= 128 or num_splits > 64 else 1)
+        num_warps=4 if chunk >= 128 else 1)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

@@ -30,6 +30,7 @@
 #include <stdint.h>
 
 #include "decode_mma.cuh"
+#include "decode_combine.cuh"
 
 namespace {
 
@@ -274,6 +275,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
 }
 
 using KernelFn = void (*)(const Params);
+using CombineFn = void (*)(const CombineParams);
 
 template <typename T, int KV>
 KernelFn pick_group(int group) {
@@ -304,31 +306,47 @@ KernelFn pick_kernel(int dtype, int kv_heads, int group) {
 
 }  // namespace
 
-// `params` points at a Params. Returns 0 or a cudaError_t; -1 for a (dtype, kv_heads, group)
-// that is not built, -2 for a stage count out of range.
-extern "C" int tandem_decode_blocks_launch(const void* params, int dtype, int kv_heads,
-                                           int group, int num_seqs, int num_splits,
-                                           int shared_bytes, int device, void* stream,
-                                           int pdl) {
-  const KernelFn kernel = pick_kernel(dtype, kv_heads, group);
-  if (kernel == nullptr) return -1;
-  const int stages = static_cast<const Params*>(params)->stages;
-  if (stages < 1 || stages > kMaxStages) return -2;
-  // This library links its own CUDA runtime: make the caller's device current for it.
-  cudaError_t err = cudaSetDevice(device);
-  if (err == cudaSuccess)
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               shared_bytes);
-  if (err != cudaSuccess) return err;
+cudaError_t launch(const void* kernel, void** args, dim3 grid, dim3 block, int shared_bytes,
+                   cudaStream_t stream, int pdl) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(num_splits, num_seqs, 1);
-  config.blockDim = dim3(kv_heads * 32, 1, 1);
+  config.gridDim = grid;
+  config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
-  config.stream = static_cast<cudaStream_t>(stream);
+  config.stream = stream;
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = pdl;
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, *static_cast<const Params*>(params));
+  return cudaLaunchKernelExC(&config, kernel, args);
+}
+
+// The split pass, then the combine. `params` / `combine` point at a Params / CombineParams.
+// Returns 0 or a cudaError_t; -1 for a (dtype, kv_heads, group) that is not built, -2 for a
+// stage or split count out of range.
+extern "C" int tandem_decode_blocks_launch(const void* params, const void* combine, int dtype,
+                                           int kv_heads, int group, int num_seqs,
+                                           int num_splits, int shared_bytes, int device,
+                                           void* stream, int pdl) {
+  const KernelFn kernel = pick_kernel(dtype, kv_heads, group);
+  if (kernel == nullptr) return -1;
+  const int stages = static_cast<const Params*>(params)->stages;
+  if (stages < 1 || stages > kMaxStages || num_splits > kCombineMaxSplits) return -2;
+  const CombineFn combine_fn =
+      dtype == 0 ? combine_splits_kernel<__nv_bfloat16> : combine_splits_kernel<__half>;
+  // This library links its own CUDA runtime: make the caller's device current for it.
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               shared_bytes);
+  const cudaStream_t on = static_cast<cudaStream_t>(stream);
+  if (err == cudaSuccess)
+    err = launch(reinterpret_cast<const void*>(kernel), const_cast<void**>(&params),
+                 dim3(num_splits, num_seqs, 1), dim3(kv_heads * 32, 1, 1), shared_bytes, on, pdl);
+  const int num_heads = kv_heads * group;
+  if (err == cudaSuccess)
+    err = launch(reinterpret_cast<const void*>(combine_fn), const_cast<void**>(&combine),
+                 dim3(num_seqs, num_heads, kHeadDim / kCombineDims), dim3(kCombineThreads, 1, 1),
+                 0, on, pdl);
+  return err;
 }
