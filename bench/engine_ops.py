@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,9 @@ from tandem.workers.ops.activation import SiluAndMul
 from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.gpu.decode_gemv import fused_gemv
-from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
+from tandem.workers.ops.attention_gpu import decode_attention, use_block_decode
+from tandem.workers.ops.gpu.block_decode import block_decode_supported
+from tandem.workers.ops.gpu.paged_decode import num_splits_for
 from tandem.workers.ops.norm import RMSNorm
 from tandem.workers.ops.rotary import RotaryEmbedding
 
@@ -112,10 +115,16 @@ def decode_attention_rows(batch: int, context: int, limits: DeviceLimits,
     name = f"decode attention {batch}x{context}"
     what = f"{heads}q/{kv_heads}kv h{head_dim} blk{block_size}"
     rows = []
-    ours = time_graphed(lambda i: paged_decode_attention(
-        q, *caches[i % len(caches)], tables, seq_lens, head_dim ** -0.5, num_splits=splits))
-    rows.append(_row(name, what, f"ours (split-KV, {splits} splits)", ours, True,
-                     copy_fraction=kv_bytes / ours / limits.copy_bytes_per_s))
+    meta = SimpleNamespace(block_tables=tables, seq_lens=seq_lens, max_seq_len=context)
+    blocks_chosen = use_block_decode(q, *caches[0])
+    kernels = [("triton", f"ours (Triton split-KV, {splits} splits)", not blocks_chosen)]
+    if block_decode_supported(q, *caches[0], 1) is None:
+        kernels.append(("blocks", "ours (CUDA whole-block)", blocks_chosen))
+    for kernel, impl, chosen in kernels:  # as the engine calls them (its split rules)
+        seconds = time_graphed(lambda i, kernel=kernel: decode_attention(
+            q, *caches[i % len(caches)], meta, head_dim ** -0.5, kernel=kernel))
+        rows.append(_row(name, what, impl, seconds, chosen,
+                         copy_fraction=kv_bytes / seconds / limits.copy_bytes_per_s))
     unified = load_aiter_triton().unified_attention
     out = torch.empty_like(q)
     one = torch.ones(1, device="cuda")

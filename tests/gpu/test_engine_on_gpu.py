@@ -74,3 +74,24 @@ def test_aiter_triton_bf16_tokens_follow_fp32_reference(checkpoint):
             decided.append(_assert_greedy_where_decided(ckpt, prompt, out.token_ids))
     assert sum(decided) >= len(decided) * 16, decided  # the check was not vacuous
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_whole_block_decode_kernel_bf16_tokens_follow_fp32_reference(checkpoint):
+    """Head dim 128, 2 KV heads: decode steps of up to 8 sequences run the whole-block CUDA
+    kernel (through CUDA graphs) where nvcc and sm_90 allow; tokens as in the test above."""
+    _aiter_or_skip()
+    import pytest
+    import torch
+
+    from tandem.workers.ops.attention_gpu import use_block_decode
+    ckpt = checkpoint("llama_h128")
+    llm = LLM(ckpt.path, dtype="bfloat16", device="cuda", kernels="aiter-triton",
+              max_num_seqs=8)
+    k_cache, v_cache = llm.engine.runner.kv_caches[0]
+    probe = torch.empty(1, 4, 128, dtype=torch.bfloat16, device="cuda")
+    if not use_block_decode(probe, k_cache, v_cache):
+        pytest.skip("the whole-block decode kernel cannot run here (see the log for why)")
+    prompts = random_prompts(PARITY_LENGTHS, seed=35)
+    decided = [_assert_greedy_where_decided(ckpt, prompt, out.token_ids)
+               for prompt, out in zip(prompts, llm.generate(prompts, GREEDY))]
+    assert sum(decided) >= len(decided) * 16, decided

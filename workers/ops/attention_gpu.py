@@ -1,12 +1,18 @@
 """Paged attention on the aiter-triton backend: which kernel runs which kind of step.
 
     step                                   kernel
-    decode (every query_len == 1)          paged_decode_attention (ours, split-KV, graph-safe)
+    decode, <= 8 sequences, where it can   block_decode_attention (ours, CUDA: whole cache
+      run (block_decode_supported)           blocks by TMA bulk copy, graph-safe)
+    decode, otherwise                      paged_decode_attention (ours, Triton split-KV,
+                                             graph-safe)
     prefill, nothing cached yet, no sinks  torch SDPA (flash) on this step's own K/V, per sequence
     anything else (prefix-cache hits,      AITER unified_attention (paged, varlen, sinks,
       later chunks, sinks)                   sliding window)
 
-Why: at small batch AITER's decode kernels leave most SMs idle (see paged_decode.py), and on an
+Why: at small batch AITER's decode kernels leave most SMs idle (see paged_decode.py); up to 8
+sequences the whole-block kernel reads KV faster than the Triton one (1 x 4k: 9.4 vs 12.0 us,
+8 x 4k: 52.5 vs 56.8 us on an H100), from 32 on the Triton kernel is ahead (188 vs 191 us at
+32 x 4k; bench/results/block-decode-h100-s12.log). On an
 H200 torch SDPA's causal attention ran 1.5x faster than AITER's Triton flash attention at 8k
 tokens (shared/notes/aiter-on-cuda.md); unified_attention is the one kernel that reads a paged
 context for prefills that continue earlier chunks. bench/engine.py re-measures these choices.
@@ -19,6 +25,7 @@ captured with meta.max_seq_len = max_model_len replays correctly at any context 
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,12 +33,20 @@ import torch.nn.functional as F
 
 from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
+from tandem.common.logging import get_logger
+from tandem.workers.ops.gpu.block_decode import (
+    block_decode_attention, block_decode_supported, block_splits_for)
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import rope_and_write_kv
 
 if TYPE_CHECKING:
     from tandem.workers.ops.attention import Attention, AttentionMetadata
+
+logger = get_logger(__name__)
+
+BLOCK_DECODE_MAX_SEQS = 8  # above it the Triton split-KV kernel (see the module docstring)
+BLOCK_DECODE_PADDED_SPLITS = 32  # padded slots (conflict-free, a copy per slot) from here up
 
 
 @functools.cache
@@ -58,11 +73,8 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
             q, k = rotary(rope[1], q, k)
         write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
     if meta.max_query_len == 1:
-        splits = num_splits_for(q.shape[0], layer.num_kv_heads, meta.max_seq_len,
-                                _num_sms(q.device.index or 0))
-        return paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.block_tables,
-                                      meta.seq_lens, layer.scale, num_splits=splits,
-                                      sliding_window=layer.sliding_window, sinks=layer.sinks)
+        return decode_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale,
+                                sliding_window=layer.sliding_window, sinks=layer.sinks)
     if layer.sinks is None and _nothing_cached(meta):
         return _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
     if q.dtype == torch.float32:
@@ -78,6 +90,49 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
         window_size=layer.window_size, block_table=meta.block_tables, softcap=0,
         q_descale=None, k_descale=scale_one, v_descale=scale_one, sinks=layer.sinks)
     return out
+
+
+def use_block_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether decode_attention runs the whole-block kernel for this batch (its size, dtype,
+    heads and cache layout; TANDEM_BLOCK_DECODE=0 turns it off)."""
+    if q.shape[0] > BLOCK_DECODE_MAX_SEQS or os.environ.get("TANDEM_BLOCK_DECODE") == "0":
+        return False
+    return _block_decode_reason(q.device, q.dtype, q.shape[1], k_cache.shape, k_cache.stride(),
+                                v_cache.stride(), k_cache.dtype) is None
+
+
+@functools.cache
+def _block_decode_reason(device, dtype, heads, cache_shape, k_stride, v_stride, cache_dtype):
+    """Why not (None: it runs), checked and logged once per layout."""
+    q = torch.empty(1, heads, cache_shape[-1], dtype=dtype, device=device)
+    k = torch.empty_strided(cache_shape, k_stride, dtype=cache_dtype, device=device)
+    v = torch.empty_strided(cache_shape, v_stride, dtype=cache_dtype, device=device)
+    why = block_decode_supported(q, k, v, 1)
+    if why is None:
+        logger.info("decode attention up to %d sequences: whole-block CUDA kernel",
+                    BLOCK_DECODE_MAX_SEQS)
+    else:
+        logger.info("decode attention: Triton split-KV kernel only (whole-block kernel: %s)", why)
+    return why
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, *,
+                     sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None, kernel: str | None = None
+                     ) -> torch.Tensor:
+    """One query token per sequence, through whichever kernel serves this batch faster
+    (kernel: "blocks" or "triton" to pick one, for benchmarks), with the engine's split rule
+    (max_seq_len, the longest context a captured graph serves)."""
+    num_seqs, sms = q.shape[0], _num_sms(q.device.index or 0)
+    if kernel == "blocks" or (kernel is None and use_block_decode(q, k_cache, v_cache)):
+        splits = block_splits_for(num_seqs, meta.max_seq_len, k_cache.shape[1], sms)
+        return block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      scale, num_splits=splits, sliding_window=sliding_window,
+                                      sinks=sinks, padded=splits >= BLOCK_DECODE_PADDED_SPLITS)
+    splits = num_splits_for(num_seqs, k_cache.shape[2], meta.max_seq_len, sms)
+    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                  num_splits=splits, sliding_window=sliding_window, sinks=sinks)
 
 
 def _nothing_cached(meta: AttentionMetadata) -> bool:
