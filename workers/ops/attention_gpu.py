@@ -35,7 +35,7 @@ from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
-    block_decode_attention, block_decode_supported, block_splits_for)
+    block_decode_attention, block_splits_for, layout_reason)
 from tandem.workers.ops.gpu.kv_cache import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import rope_and_write_kv
@@ -97,17 +97,15 @@ def use_block_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     heads and cache layout; TANDEM_BLOCK_DECODE=0 turns it off)."""
     if q.shape[0] > BLOCK_DECODE_MAX_SEQS or os.environ.get("TANDEM_BLOCK_DECODE") == "0":
         return False
-    return _block_decode_reason(q.device, q.dtype, q.shape[1], k_cache.shape, k_cache.stride(),
-                                v_cache.stride(), k_cache.dtype) is None
+    return _block_decode_reason(q.device, q.dtype, q.shape[1], tuple(k_cache.shape),
+                                k_cache.stride(), v_cache.stride(), k_cache.dtype,
+                                v_cache.dtype) is None
 
 
 @functools.cache
-def _block_decode_reason(device, dtype, heads, cache_shape, k_stride, v_stride, cache_dtype):
-    """Why not (None: it runs), checked and logged once per layout."""
-    q = torch.empty(1, heads, cache_shape[-1], dtype=dtype, device=device)
-    k = torch.empty_strided(cache_shape, k_stride, dtype=cache_dtype, device=device)
-    v = torch.empty_strided(cache_shape, v_stride, dtype=cache_dtype, device=device)
-    why = block_decode_supported(q, k, v, 1)
+def _block_decode_reason(*layout) -> str | None:
+    """block_decode.layout_reason, logged once per layout."""
+    why = layout_reason(*layout)
     if why is None:
         logger.info("decode attention up to %d sequences: whole-block CUDA kernel",
                     BLOCK_DECODE_MAX_SEQS)

@@ -70,23 +70,33 @@ def _stage_bytes(block_size: int, kv_heads: int, padded: bool = True) -> int:
 def block_decode_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            num_splits: int) -> str | None:
     """None if `block_decode_attention` can run these inputs, else the reason it cannot."""
-    if q.device.type != "cuda" or torch.version.cuda is None:
+    return layout_reason(q.device, q.dtype, q.shape[1], tuple(k_cache.shape), k_cache.stride(),
+                         v_cache.stride(), k_cache.dtype, v_cache.dtype, num_splits)
+
+
+@functools.cache
+def layout_reason(device: torch.device, dtype: torch.dtype, num_heads: int,
+                  cache_shape: tuple[int, ...], k_stride: tuple[int, ...],
+                  v_stride: tuple[int, ...], k_dtype: torch.dtype, v_dtype: torch.dtype,
+                  num_splits: int = 1) -> str | None:
+    """block_decode_supported from the inputs' layout alone (no tensors needed)."""
+    if device.type != "cuda" or torch.version.cuda is None:
         return "needs an NVIDIA GPU"
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
+    if torch.cuda.get_device_capability(device)[0] < 9:
         return "needs sm_90+ (TMA bulk copies)"
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return f"needs bf16/fp16 q and caches, got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
-    _, block_size, kv_heads, head_dim = k_cache.shape
+    if dtype not in _DTYPES or k_dtype != dtype or v_dtype != dtype:
+        return f"needs bf16/fp16 q and caches, got {dtype}/{k_dtype}/{v_dtype}"
+    _, block_size, kv_heads, head_dim = cache_shape
     if head_dim != HEAD_DIM:
         return f"needs head_dim {HEAD_DIM}, got {head_dim}"
-    if kv_heads not in KV_HEADS or q.shape[1] // kv_heads not in GROUPS:
+    if kv_heads not in KV_HEADS or num_heads % kv_heads or num_heads // kv_heads not in GROUPS:
         return (f"needs {KV_HEADS} KV heads with {GROUPS} query heads each, got {kv_heads} "
-                f"KV / {q.shape[1]} query heads")
+                f"KV / {num_heads} query heads")
     if block_size % 16:
         return f"needs a block size that is a multiple of 16, got {block_size}"
-    for cache in (k_cache, v_cache):
-        if cache.stride()[1:] != (kv_heads * HEAD_DIM, HEAD_DIM, 1) or cache.stride(0) % 8:
-            return f"needs slots and heads contiguous within a block, got strides {cache.stride()}"
+    for stride in (k_stride, v_stride):
+        if tuple(stride[1:]) != (kv_heads * HEAD_DIM, HEAD_DIM, 1) or stride[0] % 8:
+            return f"needs slots and heads contiguous within a block, got strides {stride}"
     if not 1 <= num_splits <= MAX_SPLITS:
         return f"needs a split count in 1..{MAX_SPLITS}, got {num_splits}"
     if _stage_bytes(block_size, kv_heads) > SHARED_BUDGET:
