@@ -38,14 +38,14 @@ class _Params(ctypes.Structure):
                  "table_stride")] + \
                [(name, ctypes.c_int32) for name in
                 ("table_width", "block_size", "sliding_window", "stages", "padded")] + \
-               [("scale", ctypes.c_float)]
+               [("scale", ctypes.c_float), ("trace", ctypes.c_void_p)]
 
 
 class _CombineParams(ctypes.Structure):
     """Mirrors `CombineParams` in decode_combine.cuh, field for field."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("part_out", "part_lse", "sinks", "out")] + \
                [(name, ctypes.c_int64) for name in ("out_stride_tok", "out_stride_head")] + \
-               [("num_splits", ctypes.c_int32)]
+               [("num_splits", ctypes.c_int32), ("trace", ctypes.c_void_p)]
 
 
 @functools.cache
@@ -118,10 +118,15 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            *, num_splits: int, out: torch.Tensor | None = None,
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None,
-                           stages: int | None = None, padded: bool = True) -> torch.Tensor:
+                           stages: int | None = None, padded: bool = True,
+                           trace: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """Same contract as paged_decode.paged_decode_attention (q [B, H, 128] -> out [B, H, 128]);
     the caller checks `block_decode_supported` first. stages: block buffers per CTA (default:
-    as many as fit SHARED_BUDGET, at most MAX_STAGES)."""
+    as many as fit SHARED_BUDGET, at most MAX_STAGES). padded: slots at padded pitches, one
+    copy each (conflict-free operand loads) or one copy per block. trace: int64 tensors
+    [num_seqs * num_splits, 5] and [num_seqs * num_heads * 4, 5] the kernels fill with
+    %globaltimer stamps (bench/block_decode.py --timeline)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"block decode attention unavailable: {library}")
@@ -146,10 +151,12 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
-        block_tables.shape[1], block_size, sliding_window or 0, stages, int(padded), scale)
+        block_tables.shape[1], block_size, sliding_window or 0, stages, int(padded), scale,
+        trace[0].data_ptr() if trace is not None else None)
     combine = _CombineParams(
         part_out.data_ptr(), part_lse.data_ptr(), sinks.data_ptr() if sinks is not None else None,
-        out.data_ptr(), out.stride(0), out.stride(1), num_splits)
+        out.data_ptr(), out.stride(0), out.stride(1), num_splits,
+        trace[1].data_ptr() if trace is not None else None)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = library.tandem_decode_blocks_launch(
         ctypes.byref(params), ctypes.byref(combine), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,

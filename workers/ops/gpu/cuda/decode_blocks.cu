@@ -56,6 +56,9 @@ struct Params {  // mirrored by block_decode.py's ctypes structure: keep the ord
   int32_t stages;          // block buffers in shared memory, <= kMaxStages
   int32_t padded;          // 1: padded slot pitches, one copy per slot; 0: one copy per block
   float scale;             // softmax scale (natural units)
+  // Diagnostics (bench/block_decode.py --timeline), normally null: per CTA the %globaltimer
+  // (ns) at entry, copies issued, PDL wait returned, last block landed, partials stored.
+  uint64_t* trace;
 };
 
 template <int KV>
@@ -195,6 +198,10 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   const int guess = split + lane * num_splits;
   int id = 0;
   if (head == 0 && lane < p.stages && guess < p.table_width) id = __ldg(table + guess);
+  uint64_t* trace = p.trace != nullptr && threadIdx.x == 0
+                        ? p.trace + (static_cast<int64_t>(seq) * num_splits + split) * kTraceEvents
+                        : nullptr;
+  stamp(trace, 0);
   const Run run(p, buffers, full, seq, split, num_splits);
   const int prefill = min(run.n, p.stages);
   if (head == 0 && run.first_block != 0 && lane < prefill) id = __ldg(table + run.block(lane));
@@ -209,7 +216,9 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
     for (int i = 0; i < prefill; ++i)
       run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kSkipNewest);
 
+  stamp(trace, 1);
   wait_for_previous_kernel();  // q and this step's newest key come from earlier kernels
+  stamp(trace, 2);
 
   if (head == 0)
     for (int i = 0; i < prefill; ++i)
@@ -246,6 +255,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
     }
   }
 
+  stamp(trace, 3);
   // Partials of heads head * G + 2c + e: lane (g, c) holds dims 8g.. and 64 + 8g.. (acc).
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);  // head g's full sum, in the 4 lanes of g
@@ -272,6 +282,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   if (c == 0 && g < G)
     p.part_lse[(static_cast<int64_t>(seq) * num_heads + head * G + g) * num_splits + split] =
         l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+  stamp(trace, 4);
 }
 
 using KernelFn = void (*)(const Params);

@@ -24,6 +24,7 @@ struct CombineParams {
   void* out;              // [num_seqs, num_heads, 128] of T, last dim contiguous
   int64_t out_stride_tok, out_stride_head;
   int32_t num_splits;     // <= kCombineMaxSplits
+  uint64_t* trace;        // diagnostics, normally null: per CTA entry, wait returned, end
 };
 
 constexpr int kCombineThreads = 256;
@@ -34,8 +35,14 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const CombineParams p) {
+  uint64_t* trace =
+      p.trace != nullptr && threadIdx.x == 0
+          ? p.trace + ((blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * kTraceEvents
+          : nullptr;
+  stamp(trace, 0);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the partials come from the split pass
+  stamp(trace, 1);
   __shared__ float warp_max[kCombineWarps], warp_sum[kCombineWarps];
   __shared__ float4 warp_acc[kCombineWarps][kCombineDims / 4];
   const int seq = blockIdx.x, head = blockIdx.y, num_heads = gridDim.y;
@@ -108,6 +115,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const C
   out[1] = from_float(total.y * inv, T());
   out[2] = from_float(total.z * inv, T());
   out[3] = from_float(total.w * inv, T());
+  stamp(trace, 2);
 }
 
 }  // namespace tandem_decode

@@ -55,6 +55,15 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Diagnostics: the global nanosecond timer into trace[event] when tracing (trace non-null).
+constexpr int kTraceEvents = 5;
+__device__ __forceinline__ void stamp(uint64_t* trace, int event) {
+  if (trace == nullptr) return;
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  trace[event] = now;
+}
+
 // A reference point for exp2 of running maxima: -inf (nothing seen) maps to 0 so that
 // exp2(-inf - ref) = 0 and never NaN.
 __device__ __forceinline__ float finite_or_zero(float m) { return m == -INFINITY ? 0.f : m; }
