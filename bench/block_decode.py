@@ -69,7 +69,7 @@ def sweep(batch: int, context: int, copy_bps: float) -> list[tuple[str, str, flo
     return rows
 
 
-def timeline(batch: int, context: int) -> None:
+def timeline(batch: int, context: int, padded: bool = True) -> None:
     inputs = decode_attention_inputs(batch, context)
     q, caches, tables, lens = inputs.q, inputs.caches, inputs.tables, inputs.seq_lens
     splits = block_splits_for(batch, context, 16,
@@ -81,7 +81,7 @@ def timeline(batch: int, context: int) -> None:
     def chain():
         for i in range(CALLS):
             block_decode_attention(q, *caches[i % len(caches)], tables, lens, SCALE,
-                                   num_splits=splits, trace=traces[i])
+                                   num_splits=splits, padded=padded, trace=traces[i])
     chain()  # build and warm outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -93,7 +93,7 @@ def timeline(batch: int, context: int) -> None:
     comb_t = torch.stack([t[1] for t in traces]).double()[..., :3]
     origin = split_t[0, :, 0].min()
     split_t, comb_t = (split_t - origin) / 1e3, (comb_t - origin) / 1e3  # us
-    print(f"# {batch}x{context}, {splits} splits: one replay of {CALLS} chained calls, us from "
+    print(f"# {batch}x{context}, {splits} splits, {'padded' if padded else 'unpadded'}: one replay of {CALLS} chained calls, us from "
           "the first call's first CTA")
     print(f"{'call':>4} | {'split in':>8} {'last in':>8} {'issued':>8} {'waited':>8} "
           f"{'landed':>8} {'stored':>8} | {'comb in':>8} {'waited':>8} {'end':>8} | period")
@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="1x4096,1x1024,1x16384,8x4096,8x1024,32x4096",
                         help="batch x context pairs")
     parser.add_argument("--timeline", metavar="BxC", help="trace one shape's chained calls")
+    parser.add_argument("--unpadded", action="store_true", help="timeline: one copy per block")
     args = parser.parse_args(argv)
     kv = torch.empty(1, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
     why_not = block_decode_supported(torch.empty(1, 32, 128, dtype=torch.bfloat16,
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if why_not is not None:
         raise SystemExit(f"block decode kernel unavailable: {why_not}")
     if args.timeline:
-        timeline(*_shape(args.timeline))
+        timeline(*_shape(args.timeline), padded=not args.unpadded)
         return 0
     limits = measure_limits()
     print(f"# {limits.name}, copy {limits.copy_bytes_per_s / 1e12:.2f} TB/s")

@@ -2,8 +2,7 @@
 (cuda/decode_blocks.cu), then a CUDA combine (cuda/decode_combine.cuh): from Python.
 
 The split pass moves each cache slot (every KV head, kv_heads x 256 bytes) into shared memory
-with one TMA bulk copy, so the bytes in flight per SM are bounded by shared memory rather
-than by registers; see the .cu for the layout. It needs the cache's slots and heads
+with one TMA bulk copy; the .cu says why, how, and what it measures. It needs the cache's slots and heads
 contiguous within a block (the engine's [num_blocks, block_size, kv_heads, 128] layout, per
 layer, blocks at any stride), head_dim 128, 2/4/8 KV heads, 1/2/4/8 query heads per KV head,
 block_size a multiple of 16, bf16/fp16, an NVIDIA sm_90+ GPU and nvcc (cuda_build.py).

@@ -4,6 +4,8 @@ Why ours: AITER's Triton decode kernels launch one program per (KV head, query b
 batch 1 x 4k context keeps a handful of SMs busy and reads KV at ~5% of copy bandwidth
 (shared/notes/aiter-on-cuda.md). Here every sequence's visible keys are cut into NUM_SPLITS
 equal ranges and each (sequence, KV head, split) is one program, so batch 1 still fills the GPU.
+The engine runs it above 8 sequences and wherever the whole-block CUDA kernel cannot run
+(block_decode.py, which is faster up to 8 sequences on Hopper; ops/attention_gpu.py).
 
 Pass 1 (`_decode_split_kernel`), one program per (seq, kv_head, split):
     the GROUP query heads that share the KV head attend over keys [lo, hi) of their sequence

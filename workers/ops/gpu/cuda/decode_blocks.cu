@@ -1,26 +1,36 @@
-// Split-KV paged decode attention whose CTAs read whole cache blocks: the split pass of a
-// flash-decoding pair (the combine is paged_decode.py's Triton kernel), built for batch 1-8 at
-// long contexts, where every byte of KV must stream at close to copy bandwidth.
+// Split-KV paged decode attention whose CTAs read whole cache blocks, then the combine
+// (decode_combine.cuh): the engine's decode attention for 1-8 sequences on Hopper
+// (ops/attention_gpu.py), where every byte of KV must stream at close to copy bandwidth.
 //
 // Why: a cache block holds block_size slots x every KV head, contiguous (kv_cache layout
 // [num_blocks, block_size, kv_heads, 128]), so one slot of K is kv_heads x 256 bytes in one
-// piece. Here a CTA takes a run of whole blocks of one sequence and every KV head (warp h
-// attends KV head h), and moves each slot with one bulk asynchronous copy (cp.async.bulk, the
-// TMA engine) of kv_heads x 256 bytes into shared memory. The Triton split kernel instead
-// gathers one KV head's 256-byte rows into registers, which bounds its bytes in flight per SM.
+// piece. Here a CTA takes whole blocks of one sequence and every KV head (warp h attends KV
+// head h) and moves each slot with one bulk asynchronous copy (cp.async.bulk, the TMA engine)
+// into shared memory. The Triton split kernel (paged_decode.py) gathers one KV head's
+// 256-byte rows into registers instead, which bounds its bytes in flight per SM.
+// Measured on an H100 (bench/block_decode.py, bench/results/block-decode-h100-s12.log):
+// 1 x 4k 9.3 us (61% of copy bandwidth) against the Triton pair's 12.0 us.
+// Where the time goes (--timeline): one CTA per SM (its buffers take ~200 KB of shared
+// memory), so a call's CTAs start as the previous call's exit; the SM then streams its
+// ~128 KB at ~17 GB/s (about 32 KB in flight per SM); issuing 64 copies takes ~4 us of that.
+// One copy per block instead of per slot (padded = 0) issues at once but streams no faster,
+// and its operand loads have bank conflicts (10.1 us). Tried and slower: two CTAs per SM
+// (registers capped at 128, one block each: 10.7 us); a thread-block cluster kernel reducing
+// through DSMEM (sessions 6 and 12, removed: 14.5 us at best).
 //
 // Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks s,
 // s + num_splits, s + 2 num_splits, ... of its visible range (whole blocks; keys outside
 // [first, seq_len) are masked, first = seq_len - window with a sliding window). Strided, so
 // without a window the first ids are known before seq_len is: both loads go out together.
-// Blocks pass through `stages` buffers of one block each, every buffer with an mbarrier counting the bytes in flight. Warp 0 issues the copies
-// and refills a buffer once every warp has read it. Slots past the sequence are zeroed
-// instead of copied (their V must not be NaN garbage: 0 x NaN = NaN in the MMA).
+// Blocks pass through `stages` buffers of one block each, every buffer with an mbarrier
+// counting the bytes in flight. Warp 0 issues the copies and refills a buffer once every warp
+// has read it. Slots past the sequence are zeroed instead of copied (their V must not be NaN
+// garbage: 0 x NaN = NaN in the MMA).
 // Shared rows are padded (kKPitch, kVPitch) so decode_mma.cuh's operand loads are free of
 // bank conflicts: K rows g, g + 1 land 64 bytes apart modulo 128, V rows 2c 32 bytes apart.
 // Output per (sequence, query head, split): o = sum p v / sum p [128] fp32 and
-// lse = log sum exp(score) (natural log), the partials paged_decode.combine_splits reads;
-// an empty split writes lse = -inf and o = 0.
+// lse = log sum exp(score) (natural log), which the combine reads; an empty split writes
+// lse = -inf and o = 0.
 // PDL: the first `stages` blocks are requested before griddepcontrol.wait except the newest
 // key's slot (invariant, as in paged_decode.py: a decode step's KV write touches only each
 // sequence's newest row), which is copied after it; q and every store come after it too.

@@ -1,7 +1,7 @@
-// MMA building blocks shared by the CUDA decode-attention kernels (decode_cluster.cu,
-// decode_blocks.cu): one warp attends G query heads (G <= 8, padded to 16 MMA rows) of one KV
-// head over 16 keys at a time with m16n8k16 tensor-core MMAs and an online softmax in log2
-// units. Head dim 128, 16-bit K/V/Q (bf16 or fp16), fp32 accumulation.
+// MMA building blocks of the CUDA decode-attention kernel (decode_blocks.cu), kept apart from
+// its loading and scheduling: one warp attends G query heads (G <= 8, padded to 16 MMA rows)
+// of one KV head over 16 keys at a time with m16n8k16 tensor-core MMAs and an online softmax
+// in log2 units. Head dim 128, 16-bit K/V/Q (bf16 or fp16), fp32 accumulation.
 #pragma once
 
 #include <cuda_bf16.h>
