@@ -93,8 +93,9 @@ def timeline(batch: int, context: int, padded: bool = True) -> None:
     comb_t = torch.stack([t[1] for t in traces]).double()[..., :3]
     origin = split_t[0, :, 0].min()
     split_t, comb_t = (split_t - origin) / 1e3, (comb_t - origin) / 1e3  # us
-    print(f"# {batch}x{context}, {splits} splits, {'padded' if padded else 'unpadded'}: one replay of {CALLS} chained calls, us from "
-          "the first call's first CTA")
+    layout = "padded" if padded else "unpadded"
+    print(f"# {batch}x{context}, {splits} splits, {layout}: one replay of {CALLS} chained "
+          "calls, us from the first call's first CTA")
     print(f"{'call':>4} | {'split in':>8} {'last in':>8} {'issued':>8} {'waited':>8} "
           f"{'landed':>8} {'stored':>8} | {'comb in':>8} {'waited':>8} {'end':>8} | period")
     for i in range(CALLS):

@@ -2,11 +2,12 @@
 (cuda/decode_blocks.cu), then a CUDA combine (cuda/decode_combine.cuh): from Python.
 
 The split pass moves each cache slot (every KV head, kv_heads x 256 bytes) into shared memory
-with one TMA bulk copy; the .cu says why, how, and what it measures. It needs the cache's slots and heads
-contiguous within a block (the engine's [num_blocks, block_size, kv_heads, 128] layout, per
-layer, blocks at any stride), head_dim 128, 2/4/8 KV heads, 1/2/4/8 query heads per KV head,
-block_size a multiple of 16, bf16/fp16, an NVIDIA sm_90+ GPU and nvcc (cuda_build.py).
-`block_decode_supported` says why not otherwise, and the caller keeps paged_decode.py.
+with one TMA bulk copy; the .cu says why, how, and what it measures. It needs the cache's
+slots and heads contiguous within a block (the engine's [num_blocks, block_size, kv_heads,
+128] layout, per layer, blocks at any stride), head_dim 128, 2/4/8 KV heads, 1/2/4/8 query
+heads per KV head, block_size a multiple of 16, bf16/fp16, an NVIDIA sm_90+ GPU and nvcc
+(cuda_build.py). `block_decode_supported` says why not otherwise, and the caller keeps
+paged_decode.py.
 """
 from __future__ import annotations
 
@@ -158,9 +159,9 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         trace[1].data_ptr() if trace is not None else None)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     status = library.tandem_decode_blocks_launch(
-        ctypes.byref(params), ctypes.byref(combine), _DTYPES[q.dtype], kv_heads, num_heads // kv_heads, num_seqs,
-        num_splits, stages * stage_bytes, q.device.index or 0, stream,
-        int(pdl_enabled(q.device)))
+        ctypes.byref(params), ctypes.byref(combine), _DTYPES[q.dtype], kv_heads,
+        num_heads // kv_heads, num_seqs, num_splits, stages * stage_bytes, q.device.index or 0,
+        stream, int(pdl_enabled(q.device)))
     if status != 0:
         raise RuntimeError(f"block decode attention launch failed: status {status}")
     return out

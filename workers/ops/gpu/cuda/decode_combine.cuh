@@ -35,10 +35,8 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_splits_kernel(const CombineParams p) {
-  uint64_t* trace =
-      p.trace != nullptr && threadIdx.x == 0
-          ? p.trace + ((blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * kTraceEvents
-          : nullptr;
+  const int cta = (blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
+  uint64_t* trace = p.trace != nullptr && threadIdx.x == 0 ? p.trace + cta * kTraceEvents : nullptr;
   stamp(trace, 0);
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the partials come from the split pass
