@@ -11,12 +11,14 @@
 // Measured on an H100 (bench/block_decode.py, bench/results/block-decode-h100-s12.log):
 // 1 x 4k 9.3 us (61% of copy bandwidth) against the Triton pair's 12.0 us.
 // Where the time goes (--timeline): one CTA per SM (its buffers take ~200 KB of shared
-// memory), so a call's CTAs start as the previous call's exit; the SM then streams its
-// ~128 KB at ~17 GB/s (about 32 KB in flight per SM); issuing 64 copies takes ~4 us of that.
-// One copy per block instead of per slot (padded = 0) issues at once but streams no faster,
-// and its operand loads have bank conflicts (10.1 us). Tried and slower: two CTAs per SM
-// (registers capped at 128, one block each: 10.7 us); a thread-block cluster kernel reducing
-// through DSMEM (sessions 6 and 12, removed: 14.5 us at best).
+// memory), so a call's CTAs start as the previous call's exit; issuing a CTA's 64 slot copies
+// takes ~4 us, the last lands ~3-4 us later (the SM streams its ~128 KB at ~17 GB/s), then
+// the last block's attention and the partial stores take ~1 us before the CTA exits; the
+// combine overlaps the next call's stream. Tried and slower at 1 x 4k: one copy per block
+// (padded = 0: issued at once but no faster to land, and its operand loads have bank
+// conflicts: 10.1-10.3 us), copies of 2-8 slots per padded group (9.9-10.5 us), two CTAs
+// per SM (registers capped at 128, one block each: 10.7 us), and a thread-block cluster
+// kernel reducing through DSMEM (sessions 6 and 12, removed: 14.5 us at best).
 //
 // Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks s,
 // s + num_splits, s + 2 num_splits, ... of its visible range (whole blocks; keys outside
@@ -244,6 +246,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   int next_id = p.stages < run.n ? __ldg(table + run.block(p.stages)) : 0;
   for (int i = 0; i < run.n; ++i) {
     barrier_wait(&full[i % p.stages], (i / p.stages) & 1);
+    if (i + 1 == run.n) stamp(trace, 3);
     const char* k = run.k_slots(i) + head * kRowBytes;
     const char* v = run.v_slots(i) + head * kRowBytes;
     for (int chunk = 0; chunk < p.block_size; chunk += kChunk) {
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
     }
   }
 
-  stamp(trace, 3);
+  if (run.n == 0) stamp(trace, 3);
   // Partials of heads head * G + 2c + e: lane (g, c) holds dims 8g.. and 64 + 8g.. (acc).
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);  // head g's full sum, in the 4 lanes of g
