@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BLOCK_DECODE_MAX_SEQS = 8  # above it the Triton split-KV kernel (see the module docstring)
-BLOCK_DECODE_PADDED_SPLITS = 32  # padded slots (conflict-free, a copy per slot) from here up
 
 
 @functools.cache
@@ -127,7 +126,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         splits = block_splits_for(num_seqs, meta.max_seq_len, k_cache.shape[1], sms)
         return block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       scale, num_splits=splits, sliding_window=sliding_window,
-                                      sinks=sinks, padded=splits >= BLOCK_DECODE_PADDED_SPLITS)
+                                      sinks=sinks)
     splits = num_splits_for(num_seqs, k_cache.shape[2], meta.max_seq_len, sms)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                   num_splits=splits, sliding_window=sliding_window, sinks=sinks)

@@ -328,8 +328,6 @@ KernelFn pick_kernel(int dtype, int kv_heads, int group) {
   return nullptr;
 }
 
-}  // namespace
-
 cudaError_t launch(const void* kernel, void** args, dim3 grid, dim3 block, int shared_bytes,
                    cudaStream_t stream, int pdl) {
   cudaLaunchConfig_t config = {};
@@ -344,6 +342,8 @@ cudaError_t launch(const void* kernel, void** args, dim3 grid, dim3 block, int s
   config.numAttrs = 1;
   return cudaLaunchKernelExC(&config, kernel, args);
 }
+
+}  // namespace
 
 // The split pass, then the combine. `params` / `combine` point at a Params / CombineParams.
 // Returns 0 or a cudaError_t; -1 for a (dtype, kv_heads, group) that is not built, -2 for a

@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include "decode_mma.cuh"  // kHeadDim, from_float, stamp
+
 namespace tandem_decode {
 
 struct CombineParams {
