@@ -108,7 +108,8 @@ def test_new_key_is_read_after_the_previous_kernel(num_splits, padded):
 
 
 def test_split_count_fills_the_sms_once():
-    assert block_splits_for(1, 4096, 16, 132) == 132
+    assert block_splits_for(1, 4096, 16, 132) == 66  # a lone sequence: half the SMs
+    assert block_splits_for(2, 4096, 16, 132) == 66
     assert block_splits_for(8, 4096, 16, 132) == 16
     assert block_splits_for(1, 100, 16, 132) == 7  # never more splits than blocks
     assert block_splits_for(200, 4096, 16, 132) == 1

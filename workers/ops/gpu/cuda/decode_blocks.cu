@@ -20,22 +20,27 @@
 // per SM (registers capped at 128, one block each: 10.7 us), and a thread-block cluster
 // kernel reducing through DSMEM (sessions 6 and 12, removed: 14.5 us at best).
 //
-// Grid (num_splits, num_seqs), KV warps per CTA. CTA s of a sequence takes blocks s,
-// s + num_splits, s + 2 num_splits, ... of its visible range (whole blocks; keys outside
-// [first, seq_len) are masked, first = seq_len - window with a sliding window). Strided, so
-// without a window the first ids are known before seq_len is: both loads go out together.
-// Blocks pass through `stages` buffers of one block each, every buffer with an mbarrier
-// counting the bytes in flight. Warp 0 issues the copies and refills a buffer once every warp
-// has read it. Slots past the sequence are zeroed instead of copied (their V must not be NaN
-// garbage: 0 x NaN = NaN in the MMA).
+// Grid (num_splits, num_seqs), KV + 1 warps per CTA: warps 0..KV-1 attend, warp KV (the
+// producer) only moves blocks. CTA s of a sequence takes blocks s, s + num_splits,
+// s + 2 num_splits, ... of its visible range (whole blocks; keys outside [first, seq_len) are
+// masked, first = seq_len - window with a sliding window). Strided, so without a window the
+// first ids are known before seq_len is: both loads go out together.
+// Blocks pass through `stages` buffers of one block each, each with a `full` mbarrier counting
+// the bytes in flight and an `empty` one that every attending warp arrives on once it has read
+// the buffer, before the producer refills it. The producer's copies are back-pressured by the
+// TMA engine (~4 us to issue a CTA's 64 slot copies at 1 x 4k), so the attending warps must
+// not be the ones issuing: they start on block 0 as soon as it lands. Slots past the sequence
+// are zeroed instead of copied (their V must not be NaN garbage: 0 x NaN = NaN in the MMA).
 // Shared rows are padded (kKPitch, kVPitch) so decode_mma.cuh's operand loads are free of
 // bank conflicts: K rows g, g + 1 land 64 bytes apart modulo 128, V rows 2c 32 bytes apart.
 // Output per (sequence, query head, split): o = sum p v / sum p [128] fp32 and
 // lse = log sum exp(score) (natural log), which the combine reads; an empty split writes
 // lse = -inf and o = 0.
-// PDL: the first `stages` blocks are requested before griddepcontrol.wait except the newest
-// key's slot (invariant, as in paged_decode.py: a decode step's KV write touches only each
-// sequence's newest row), which is copied after it; q and every store come after it too.
+// PDL: the producer requests the first `stages` blocks before griddepcontrol.wait, except
+// the newest key's slot (invariant, as in paged_decode.py: a decode step's KV write touches
+// only each sequence's newest row); each attending warp loads its head's row of that slot
+// with plain loads after its wait, rather than queueing it behind the TMA's backlog. q, every
+// refill and every store come after the wait too.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -118,14 +123,17 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
-enum Newest { kSkipNewest, kOnlyNewest, kWithNewest };
+// Arrive once on `bar` (the consumer's release of a buffer).
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
 
 template <typename T, int KV>
 struct BlockRun {
   using L = Layout<KV>;
   const Params& p;
   char* buffers;   // dynamic shared memory: `stages` x (block_size K slots, then V slots)
-  uint64_t* full;  // [stages]: the buffer's bytes have landed
+  uint64_t* full;  // [stages]: the buffer's copied bytes have landed
   int seq_len, first, first_block, split, num_splits, n, stage_bytes;
   int k_pitch, v_pitch;  // bytes between slots in a buffer
 
@@ -154,87 +162,125 @@ struct BlockRun {
     return k_slots(i) + p.block_size * k_pitch;
   }
 
-  // Warp 0: block i of the run (cache block `id`) into its buffer. kSkipNewest and
-  // kWithNewest zero the slots past the sequence and arm the buffer's barrier for every slot
-  // before it; kOnlyNewest copies just the newest key's slot, skipped before the PDL wait
-  // (the newest key, when a block holds it, is its last valid slot).
-  __device__ __forceinline__ void issue(int i, int64_t id, int lane, Newest mode) const {
+  // The run index of the block holding the newest key when it is one of the first `prefill`
+  // (whose copies go out before the PDL wait, without that key's slot), else -1.
+  __device__ __forceinline__ int newest_in_prefill(int prefill) const {
+    if (seq_len == 0) return -1;
+    const int offset = (seq_len - 1) / p.block_size - first_block - split;
+    const int i = offset / num_splits;
+    return offset >= 0 && offset % num_splits == 0 && i < prefill ? i : -1;
+  }
+
+  // The producer warp: block i of the run (cache block `id`) into its buffer. Zeroes the
+  // slots past the sequence, arms the buffer's barrier, then copies every slot before them,
+  // except the newest key's when `skip_newest` (the attending warps load it after the wait).
+  __device__ __forceinline__ void issue(int i, int64_t id, int lane, bool skip_newest) const {
     uint64_t* bar = &full[i % p.stages];
     const int base = block(i) * p.block_size;
     const int valid = min(max(seq_len - base, 0), p.block_size);
-    if (mode != kOnlyNewest) {
-      constexpr int kVectors = L::kSlotBytes / 16;
-      for (int v = lane; v < (p.block_size - valid) * kVectors; v += 32) {
-        const int slot = valid + v / kVectors, offset = (v % kVectors) * 16;
-        *reinterpret_cast<uint4*>(k_slots(i) + slot * k_pitch + offset) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_slots(i) + slot * v_pitch + offset) = make_uint4(0, 0, 0, 0);
-      }
-      __syncwarp();
-      if (lane == 0) barrier_expect(bar, valid * 2 * L::kSlotBytes);
-      __syncwarp();
+    constexpr int kVectors = L::kSlotBytes / 16;
+    for (int v = lane; v < (p.block_size - valid) * kVectors; v += 32) {
+      const int slot = valid + v / kVectors, offset = (v % kVectors) * 16;
+      *reinterpret_cast<uint4*>(k_slots(i) + slot * k_pitch + offset) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(v_slots(i) + slot * v_pitch + offset) = make_uint4(0, 0, 0, 0);
     }
     const bool holds_newest = valid > 0 && base + valid == seq_len;
-    int from = 0, to = valid;  // slots to copy now
-    if (mode == kSkipNewest && holds_newest) to = valid - 1;
-    if (mode == kOnlyNewest) from = holds_newest ? valid - 1 : valid;
+    const int to = skip_newest && holds_newest ? valid - 1 : valid;  // slots to copy
+    __syncwarp();
+    if (lane == 0) barrier_expect(bar, to * 2 * L::kSlotBytes);
+    __syncwarp();
     const char* k_block = static_cast<const char*>(p.k_cache) + id * p.k_stride_block * sizeof(T);
     const char* v_block = static_cast<const char*>(p.v_cache) + id * p.v_stride_block * sizeof(T);
     if (p.padded) {  // one copy per slot, each to its padded row
-      for (int slot = from + lane; slot < to; slot += 32) {
+      for (int slot = lane; slot < to; slot += 32) {
         bulk_copy(k_slots(i) + slot * k_pitch, k_block + slot * L::kSlotBytes, L::kSlotBytes,
                   bar);
         bulk_copy(v_slots(i) + slot * v_pitch, v_block + slot * L::kSlotBytes, L::kSlotBytes,
                   bar);
       }
-    } else if (lane == 0 && to > from) {  // the slots are contiguous in the cache and here
-      bulk_copy(k_slots(i) + from * k_pitch, k_block + from * L::kSlotBytes,
-                (to - from) * L::kSlotBytes, bar);
-      bulk_copy(v_slots(i) + from * v_pitch, v_block + from * L::kSlotBytes,
-                (to - from) * L::kSlotBytes, bar);
+    } else if (lane == 0 && to > 0) {  // the slots are contiguous in the cache and here
+      bulk_copy(k_slots(i), k_block, to * L::kSlotBytes, bar);
+      bulk_copy(v_slots(i), v_block, to * L::kSlotBytes, bar);
     }
+  }
+
+  // An attending warp: its KV head's row of the newest key (block i of the run, cache block
+  // `id`) into the buffer, through plain loads after the PDL wait (the copies of the rest of
+  // the block are queued on the TMA engine ahead of anything issued now).
+  __device__ __forceinline__ void load_newest(int i, int64_t id, int head, int lane) const {
+    const int slot = seq_len - 1 - block(i) * p.block_size;
+    const int64_t stride = lane < 16 ? p.k_stride_block : p.v_stride_block;
+    const char* cache = static_cast<const char*>(lane < 16 ? p.k_cache : p.v_cache);
+    const int offset = slot * L::kSlotBytes + head * kRowBytes + (lane % 16) * 16;
+    const uint4 row = __ldcg(reinterpret_cast<const uint4*>(cache + id * stride * sizeof(T) +
+                                                           offset));
+    char* dst = lane < 16 ? k_slots(i) + slot * k_pitch : v_slots(i) + slot * v_pitch;
+    *reinterpret_cast<uint4*>(dst + head * kRowBytes + (lane % 16) * 16) = row;
+    __syncwarp();
   }
 };
 
+// Warps 0..KV-1 attend (warp h: KV head h); warp KV only moves blocks into the buffers.
 template <typename T, int G, int KV>
-__global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params p) {
+__global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const Params p) {
   using Run = BlockRun<T, KV>;
   extern __shared__ __align__(128) char buffers[];
-  __shared__ __align__(8) uint64_t full[kMaxStages];
+  __shared__ __align__(8) uint64_t full[kMaxStages];   // the buffer's copies have landed
+  __shared__ __align__(8) uint64_t empty[kMaxStages];  // every attending warp has read it
   const int split = blockIdx.x, num_splits = gridDim.x, seq = blockIdx.y;
   const int head = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  // Warp 0 lane i: the id of the run's block i (i < prefill <= kMaxStages), guessed with no
+  const bool producer = head == KV;
+  uint64_t* trace = p.trace != nullptr && (threadIdx.x == 0 || (producer && lane == 0))
+                        ? p.trace + (static_cast<int64_t>(seq) * num_splits + split) * kTraceEvents
+                        : nullptr;
+  // Producer lane i: the id of the run's block i (i < prefill <= kMaxStages), guessed with no
   // window (first_block 0) while seq_len loads. Tables are filled at least two kernels
   // earlier (attention_gpu.py): safe before the wait. Entries past a sequence are padding,
   // loaded but never used.
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
   const int guess = split + lane * num_splits;
   int id = 0;
-  if (head == 0 && lane < p.stages && guess < p.table_width) id = __ldg(table + guess);
-  uint64_t* trace = p.trace != nullptr && threadIdx.x == 0
-                        ? p.trace + (static_cast<int64_t>(seq) * num_splits + split) * kTraceEvents
-                        : nullptr;
-  stamp(trace, 0);
+  if (producer && lane < p.stages && guess < p.table_width) id = __ldg(table + guess);
+  if (!producer) stamp(trace, 0);
   const Run run(p, buffers, full, seq, split, num_splits);
   const int prefill = min(run.n, p.stages);
-  if (head == 0 && run.first_block != 0 && lane < prefill) id = __ldg(table + run.block(lane));
+  if (producer && run.first_block != 0 && lane < prefill) id = __ldg(table + run.block(lane));
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.stages; ++s) barrier_init(&full[s]);
+    for (int s = 0; s < p.stages; ++s) {
+      barrier_init(&full[s]);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(&empty[s])),
+                   "r"(KV)
+                   : "memory");
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (head == 0)
+  if (producer) {
     for (int i = 0; i < prefill; ++i)
-      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kSkipNewest);
+      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, /*skip_newest=*/true);
+    stamp(trace, 1);
+    if (prefill == run.n) return;
+    wait_for_previous_kernel();  // refills copy the newest key's slot too
+    int next_id = __ldg(table + run.block(p.stages));
+    for (int i = p.stages; i < run.n; ++i) {
+      const int this_id = next_id;
+      if (i + 1 < run.n) next_id = __ldg(table + run.block(i + 1));
+      barrier_wait(&empty[i % p.stages], (i / p.stages - 1) & 1);
+      // The attending warps' shared-memory reads (generic proxy) before the TMA's writes.
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      run.issue(i, this_id, lane, /*skip_newest=*/false);
+    }
+    return;
+  }
 
-  stamp(trace, 1);
+  // The newest key's block, when it is among the first `prefill`: its id, before the wait.
+  const int newest = run.newest_in_prefill(prefill);
+  const int newest_id = newest >= 0 ? __ldg(table + run.block(newest)) : 0;
   wait_for_previous_kernel();  // q and this step's newest key come from earlier kernels
   stamp(trace, 2);
-
-  if (head == 0)
-    for (int i = 0; i < prefill; ++i)
-      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, kOnlyNewest);
+  if (newest >= 0) run.load_newest(newest, newest_id, head, lane);
   uint4 q[4];
   load_q<T, G>(static_cast<const T*>(p.q) + seq * p.q_stride_tok + head * G * p.q_stride_head,
                p.q_stride_head, g, c, q);
@@ -243,7 +289,6 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
   float m = -INFINITY, l = 0.f, acc[8][4];
 #pragma unroll
   for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-  int next_id = p.stages < run.n ? __ldg(table + run.block(p.stages)) : 0;
   for (int i = 0; i < run.n; ++i) {
     barrier_wait(&full[i % p.stages], (i / p.stages) & 1);
     if (i + 1 == run.n) stamp(trace, 3);
@@ -256,15 +301,9 @@ __global__ void __launch_bounds__(KV * 32, 1) decode_blocks_kernel(const Params 
       attend<T>(run.block(i) * p.block_size + chunk, run.first, run.seq_len, g, c, ch, q,
                 q_scale, m, l, acc);
     }
-    const int refill = i + p.stages;
-    if (refill < run.n) {
-      __syncthreads();  // every warp has read this buffer
-      if (head == 0) {
-        // The buffer's shared-memory reads (generic proxy) before the TMA's writes (async).
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        run.issue(refill, next_id, lane, kWithNewest);
-        if (refill + 1 < run.n) next_id = __ldg(table + run.block(refill + 1));
-      }
+    if (i + p.stages < run.n) {  // the producer refills this buffer with block i + stages
+      __syncwarp();
+      if (lane == 0) barrier_arrive(&empty[i % p.stages]);
     }
   }
 
@@ -366,7 +405,7 @@ extern "C" int tandem_decode_blocks_launch(const void* params, const void* combi
   const cudaStream_t on = static_cast<cudaStream_t>(stream);
   if (err == cudaSuccess)
     err = launch(reinterpret_cast<const void*>(kernel), const_cast<void**>(&params),
-                 dim3(num_splits, num_seqs, 1), dim3(kv_heads * 32, 1, 1), shared_bytes, on, pdl);
+                 dim3(num_splits, num_seqs, 1), dim3((kv_heads + 1) * 32, 1, 1), shared_bytes, on, pdl);
   const int num_heads = kv_heads * group;
   if (err == cudaSuccess)
     err = launch(reinterpret_cast<const void*>(combine_fn), const_cast<void**>(&combine),
