@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(256, 1) stream(const P p) {
     if (mode == 7) {
       for (int i = 0; i < n; ++i) if (t == 0) bar_expect(&bars[i], 2 * kBlockBytes);
       __syncthreads();
-      // 256 threads: thread t -> block t / 32 % n? use (w % n) block, slot lane%16, K or V by lane/16
+      // warp w copies block w (w < n): lane % 16 is the slot, lane / 16 picks K or V
       for (int i = w; i < n; i += 8) {
         const int slot = lane & 15; const bool isv = lane >= 16;
         const char* src = (isv ? p.v : p.k) + (int64_t)ids[i] * kBlockBytes + slot * kSlot;
@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(256, 1) stream(const P p) {
         else if (mode == 8) { for (int j = 0; j < 4; ++j) {
           bulk(dk + j * 8192, sk + j * 8192, 8192, &bars[i]);
           bulk(dk + kBlockBytes + j * 8192, sv + j * 8192, 8192, &bars[i]); } }
-        else { bulk(dk, sk, kBlockBytes, &bars[i]); bulk(dk + kBlockBytes, sv, kBlockBytes, &bars[i]); }
+        else { bulk(dk, sk, kBlockBytes, &bars[i]); bulk(dk + kBlockBytes, sv, kBlockBytes,
+            &bars[i]); }
       }
     }
     for (int i = 0; i < n; ++i) bar_wait(&bars[i], 0);
@@ -126,7 +127,8 @@ __global__ void __launch_bounds__(256, 1) stream(const P p) {
     for (int i = 0; i < n; ++i)
       for (int x = t; x < 2 * kBlockBytes / 16; x += 256) {
         const bool isv = x >= kBlockBytes / 16; const int y = isv ? x - kBlockBytes / 16 : x;
-        ldgsts(sm + i * 2 * kBlockBytes + x * 16, (isv ? p.v : p.k) + (int64_t)ids[i] * kBlockBytes + y * 16);
+        ldgsts(sm + i * 2 * kBlockBytes + x * 16,
+            (isv ? p.v : p.k) + (int64_t)ids[i] * kBlockBytes + y * 16);
       }
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
@@ -168,8 +170,10 @@ int main() {
   const int copies = 8;  // 8 x 16.8 MB = 134 MB > 50 MB L2
   std::vector<char*> k(copies), v(copies);
   for (int c = 0; c < copies; ++c) {
-    CK(cudaMalloc(&k[c], (size_t)kBlocks * kBlockBytes * 2)); CK(cudaMalloc(&v[c], (size_t)kBlocks * kBlockBytes * 2));
-    CK(cudaMemset(k[c], 1, (size_t)kBlocks * kBlockBytes * 2)); CK(cudaMemset(v[c], 1, (size_t)kBlocks * kBlockBytes * 2));
+    CK(cudaMalloc(&k[c], (size_t)kBlocks * kBlockBytes * 2)); CK(cudaMalloc(&v[c],
+        (size_t)kBlocks * kBlockBytes * 2));
+    CK(cudaMemset(k[c], 1, (size_t)kBlocks * kBlockBytes * 2)); CK(cudaMemset(v[c], 1,
+        (size_t)kBlocks * kBlockBytes * 2));
   }
   std::vector<int> perm(2 * kBlocks); for (int i = 0; i < 2 * kBlocks; ++i) perm[i] = i;
   std::shuffle(perm.begin(), perm.end(), std::mt19937(1)); perm.resize(kBlocks);
@@ -180,7 +184,8 @@ int main() {
   CK(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaStream_t st; CK(cudaStreamCreate(&st));
   const char* names[] = {"TMA per slot (2 KB), warp 0", "TMA per block (32 KB)", "LDGSTS 16 B",
-                         "ld.global.v4 to regs", "K TMA slots + V LDGSTS", "L2 prefetch + TMA block",
+                         "ld.global.v4 to regs", "K TMA slots + V LDGSTS",
+                             "L2 prefetch + TMA block",
                          "TMA block, evict_first", "TMA per slot, all warps", "TMA 8 KB pieces"};
   printf("%-34s %6s %8s %8s\n", "method", "splits", "us/call", "TB/s");
   const int calls = 40;
@@ -193,7 +198,8 @@ int main() {
       P p{k[i % copies], v[i % copies], table, out, splits, mode};
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(ref ? 2 * kBlocks : splits); cfg.blockDim = dim3(256);
-      cfg.dynamicSmemBytes = (ref || mode == 3) ? 0 : smem / 3 * std::min(3, (kBlocks + splits - 1) / splits); cfg.stream = st; cfg.attrs = &attr; cfg.numAttrs = 1;
+      cfg.dynamicSmemBytes = (ref || mode == 3) ? 0 : smem / 3 * std::min(3,
+          (kBlocks + splits - 1) / splits); cfg.stream = st; cfg.attrs = &attr; cfg.numAttrs = 1;
       void* args[] = {&p};
       CK(cudaLaunchKernelExC(&cfg, ref ? (const void*)read_all : (const void*)stream, args));
     }

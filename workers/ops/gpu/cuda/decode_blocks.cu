@@ -8,17 +8,20 @@
 // head h) and moves each slot with one bulk asynchronous copy (cp.async.bulk, the TMA engine)
 // into shared memory. The Triton split kernel (paged_decode.py) gathers one KV head's
 // 256-byte rows into registers instead, which bounds its bytes in flight per SM.
-// Measured on an H100 (bench/block_decode.py, bench/results/block-decode-h100-s12.log):
-// 1 x 4k 9.3 us (61% of copy bandwidth) against the Triton pair's 12.0 us.
-// Where the time goes (--timeline): one CTA per SM (its buffers take ~200 KB of shared
-// memory), so a call's CTAs start as the previous call's exit; issuing a CTA's 64 slot copies
-// takes ~4 us, the last lands ~3-4 us later (the SM streams its ~128 KB at ~17 GB/s), then
-// the last block's attention and the partial stores take ~1 us before the CTA exits; the
-// combine overlaps the next call's stream. Tried and slower at 1 x 4k: one copy per block
-// (padded = 0: issued at once but no faster to land, and its operand loads have bank
-// conflicts: 10.1-10.3 us), copies of 2-8 slots per padded group (9.9-10.5 us), two CTAs
-// per SM (registers capped at 128, one block each: 10.7 us), and a thread-block cluster
-// kernel reducing through DSMEM (sessions 6 and 12, removed: 14.5 us at best).
+// Measured on an H100 (bench/block_decode.py, bench/results/block-decode-h100-s13.log):
+// 1 x 4k 8.7-8.8 us (66% of copy bandwidth, 66 splits) against the Triton pair's 12.0 us.
+// Where the time goes (--timeline, block-decode-timeline-66splits-h100-s13.log): one CTA per
+// SM (its buffers take ~200 KB of shared memory), so a call's CTAs start as the previous
+// call's exit; the producer's 128 slot copies take ~4.5 us to issue (the TMA engine accepts
+// them as it drains), the last block lands ~3 us later, its attention and the partial stores
+// take ~1 us. A pure stream of the same 16.8 MB (bench/hbm_stream_probe.cu) takes 5.5-5.7 us.
+// Tried and slower at 1 x 4k: one copy per block (padded = 0: issued at once but no faster to
+// land, and its operand loads have bank conflicts: 10.1-10.3 us), copies of 2-8 slots per
+// padded group (9.9-10.5 us), two CTAs per SM (registers capped at 128, one block each:
+// 10.7 us), a thread-block cluster kernel reducing through DSMEM (sessions 6 and 12, removed:
+// 14.5 us at best), discarding the partials from L2 after the combine (no gain), and at 132
+// splits the producer warp's ninth warp keeps a combine CTA from fitting beside a split CTA
+// (registers per SM sub-partition), so 132 splits gain nothing from it (9.2-9.8 us).
 //
 // Grid (num_splits, num_seqs), KV + 1 warps per CTA: warps 0..KV-1 attend, warp KV (the
 // producer) only moves blocks. CTA s of a sequence takes blocks s, s + num_splits,
@@ -405,7 +408,8 @@ extern "C" int tandem_decode_blocks_launch(const void* params, const void* combi
   const cudaStream_t on = static_cast<cudaStream_t>(stream);
   if (err == cudaSuccess)
     err = launch(reinterpret_cast<const void*>(kernel), const_cast<void**>(&params),
-                 dim3(num_splits, num_seqs, 1), dim3((kv_heads + 1) * 32, 1, 1), shared_bytes, on, pdl);
+                 dim3(num_splits, num_seqs, 1), dim3((kv_heads + 1) * 32, 1, 1), shared_bytes,
+                 on, pdl);
   const int num_heads = kv_heads * group;
   if (err == cudaSuccess)
     err = launch(reinterpret_cast<const void*>(combine_fn), const_cast<void**>(&combine),
