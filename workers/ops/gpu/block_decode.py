@@ -112,7 +112,7 @@ def block_splits_for(num_seqs: int, max_seq_len: int, block_size: int, num_sms: 
     """Splits per sequence: at most one CTA per SM in one wave, never more splits than blocks;
     a lone sequence takes half the SMs, so that each CTA streams ~4 blocks through its buffers
     while the producer warp keeps the TMA queue full (1 x 4k on an H100: 8.7-8.8 us at 66
-    splits against 9.7-9.8 at 132; 8 sequences keep 16 splits: 52.9 against 55.6 us at 8;
+    splits against 9.2-9.8 at 132; 8 sequences keep 16 splits: 52.9 against 55.6 us at 8;
     bench/results/block-decode-*-s13.log). Depends only on the batch shape and the longest
     context, so a CUDA graph captured for a batch size stays valid at every length."""
     blocks = max(1, -(-max_seq_len // block_size))

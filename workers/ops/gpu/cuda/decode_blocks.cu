@@ -49,8 +49,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "decode_mma.cuh"
 #include "decode_combine.cuh"
+#include "decode_mma.cuh"
+#include "decode_tma.cuh"
 
 namespace {
 
@@ -87,49 +88,6 @@ struct Layout {
   static constexpr int kKPitch = kSlotBytes + 64;
   static constexpr int kVPitch = kSlotBytes + 16;
 };
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(bar)) : "memory");
-}
-
-// The phase's one arrival, announcing `bytes` of bulk copies to wait for.
-__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                   smem_address(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// `bytes` global -> this CTA's shared memory through the TMA engine, counted on `bar`.
-// Both addresses 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
-      : "memory");
-}
-
-// Arrive once on `bar` (the consumer's release of a buffer).
-__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
 
 template <typename T, int KV>
 struct BlockRun {
@@ -251,10 +209,8 @@ __global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const P
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.stages; ++s) {
-      barrier_init(&full[s]);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(&empty[s])),
-                   "r"(KV)
-                   : "memory");
+      barrier_init(&full[s], 1);    // the producer's arrival, with the bytes it expects
+      barrier_init(&empty[s], KV);  // one arrival per attending warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
