@@ -28,26 +28,20 @@ from pathlib import Path
 import torch
 
 from tandem.bench.engine_limits import DeviceLimits, measure_limits, shape_of, time_cuda
-from tandem.bench.engine_models import MODELS, weight_bytes, write_model_dir
+from tandem.bench.engine_models import MODELS, write_model_dir
 from tandem.common.sampling_params import SamplingParams
-
-GiB = 1 << 30
 
 
 def _engine(model_dir: Path, args: argparse.Namespace):
     from tandem.workers.engine.config import EngineConfig
     from tandem.workers.engine.engine import LLMEngine
 
-    free, _ = torch.cuda.mem_get_info()
-    kv_budget = int(free - weight_bytes(model_dir) - args.reserve_gib * GiB)
-    if kv_budget < GiB:
-        raise RuntimeError(f"{model_dir.name}: weights leave {kv_budget / GiB:.1f} GiB for KV")
     max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill, default=0) + 8)
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
         max_model_len=max_len, max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(args.prefill, default=2048), kv_cache_memory_bytes=kv_budget,
-        enable_prefix_caching=False))
+        max_num_batched_tokens=max(args.prefill, default=2048),
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False))
 
 
 def _install_prefilled(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:
@@ -250,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", default="2048,8192")
     parser.add_argument("--steps", type=int, default=8, help="engine steps timed per case")
     parser.add_argument("--kernels", default="aiter-triton")
-    parser.add_argument("--reserve-gib", type=float, default=6.0,
-                        help="GPU memory left for activations and graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU each engine may use (its KV cache gets what "
+                             "the weights and activations leave)")
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--profile", action="store_true",

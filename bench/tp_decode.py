@@ -55,7 +55,7 @@ def run_one(args: argparse.Namespace) -> dict:
         model=model_dir, dtype="bfloat16", load_format="dummy", kernels="aiter-triton",
         tensor_parallel_size=int(tp), enforce_eager=mode == "eager",
         max_model_len=args.context + args.steps + 16, max_num_seqs=max(batches),
-        kv_cache_memory_bytes=8 << 30, enable_prefix_caching=False))
+        enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     result = {"graphed": engine.runner.graphs is not None, "ms": {}}
     try:

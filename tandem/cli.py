@@ -61,6 +61,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="seconds each process may take to become SERVING")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds each tier gets to drain after SIGTERM (then SIGKILL)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory all workers together may use; every "
+                        "worker starts on the same GPU(s), so each gets F / (number of workers)")
     targets = {"workers": dict(WORKER_FLAGS), "router": dict(ROUTER_FLAGS)}
     for flag, kind in dict(WORKER_FLAGS + ROUTER_FLAGS).items():
         to = " and ".join(name for name, flags in targets.items() if flag in flags)
@@ -96,6 +99,13 @@ def _passed_flags(args: argparse.Namespace, flags: list) -> list[str]:
     return argv
 
 
+def worker_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
+    """The flags `tandem up` passes to each of its num_workers workers: the ones given, and
+    an equal share of --gpu-memory-utilization (they all start on the same GPUs)."""
+    share = args.gpu_memory_utilization / num_workers
+    return _passed_flags(args, WORKER_FLAGS) + ["--gpu-memory-utilization", f"{share:g}"]
+
+
 def run_up(args: argparse.Namespace) -> int:
     from tandem.stack import StackError, check_port_free, dial_address, plan_stack, run_stack
 
@@ -112,10 +122,14 @@ def run_up(args: argparse.Namespace) -> int:
         return _error(f"no --model given, and the default model is unavailable ({exc})")
     except (StackError, ValueError, OSError) as exc:
         return _error(str(exc))
+    if not 0 < args.gpu_memory_utilization <= 1:
+        return _error(f"--gpu-memory-utilization {args.gpu_memory_utilization:g} must be in "
+                      "(0, 1]")
     drain = ["--shutdown-grace-seconds", f"{args.grace:g}"]
+    num_workers = num_prefill + num_decode + args.both
     groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
                         num_both=args.both, host=args.host, port=args.port,
-                        worker_flags=_passed_flags(args, WORKER_FLAGS) + drain,
+                        worker_flags=worker_flags(args, num_workers) + drain,
                         router_flags=_passed_flags(args, ROUTER_FLAGS) + drain)
 
     def on_ready() -> None:

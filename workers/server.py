@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "config.json alone, for benchmarks)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="KV cache blocks (overrides the sizing by --gpu-memory-utilization on "
+                        "a GPU, and the 2 GiB default on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory this worker may use for weights, "
+                        "activations, CUDA graphs and KV; the KV cache gets what the rest "
+                        "leaves, and memory other processes use must leave room for it")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-lease-seconds", type=float, default=30.0)
@@ -103,6 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, kernels=args.kernels,
         max_model_len=args.max_model_len, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_lease_seconds=args.kv_lease_seconds,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -118,6 +118,8 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     {"decode": ["--device", "cuda:1"]}) after them to that role's workers only."""
     workers: dict[str, Process] = {}
     roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
+    # As `tandem up`: workers on one GPU share it (worker_args may override; CPU ignores it).
+    share = ["--gpu-memory-utilization", f"{0.9 / max(1, num_prefill + num_decode + num_both):g}"]
     by_role: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for role, count in roles:
         for i in range(count):
@@ -125,7 +127,7 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
             name = f"{role}-{i}"
             workers[name] = start(name, ["tandem.workers.server", "--role", role, "--model",
                                          str(model), "--port", str(port), "--dtype", "float32",
-                                         *worker_args, *(role_args or {}).get(role, [])],
+                                         *share, *worker_args, *(role_args or {}).get(role, [])],
                                  port, log_dir)
             by_role[role].append(workers[name].address)
     try:

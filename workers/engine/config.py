@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.workers.engine.kv_sizing import check_gpu_memory_utilization
 from tandem.workers.ops.backend import KERNEL_CHOICES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -24,8 +25,13 @@ class EngineConfig:
     kernels: str = "auto"  # auto | torch | aiter-triton | aiter
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
-    num_kv_blocks: int | None = None  # default: fits kv_cache_memory_bytes, capped by need
-    kv_cache_memory_bytes: int = 2 << 30
+    # Overrides the sizing: on a GPU from gpu_memory_utilization (engine/memory_profile.py),
+    # on CPU from kv_cache_memory_bytes, capped by what max_num_seqs full-length sequences need.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 2 << 30  # CPU only
+    # The fraction of the GPU's memory this engine may use for weights, activations, CUDA
+    # graphs and KV; the KV cache gets what the rest leaves.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # prompts longer than this are prefilled in chunks
@@ -63,6 +69,7 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be "
                              f"True or False")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
 

@@ -5,6 +5,7 @@ Not thread-safe: one thread drives `step()`.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import EngineConfig, ResolvedConfig
 from tandem.workers.engine.cuda_graphs import default_capture_sizes
-from tandem.workers.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tandem.workers.engine.kv_sizing import KVCacheSize
+from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
+                                                  size_rank_kv_cache)
+from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import Sampler, advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
@@ -59,8 +63,9 @@ class LLMEngine:
         self.rank_group = RankGroup(config, rank_device(config.torch_device(), 0)) \
             if parallel.tp_size > 1 else None
         try:
+            start = memory_at_start(rank_device(config.torch_device(), 0))
             loaded = load_model(config, parallel, hf_config)
-            self._set_up(loaded)
+            self._set_up(loaded, start)
         except BaseException:
             self.shutdown()
             raise
@@ -68,16 +73,17 @@ class LLMEngine:
                     time.monotonic() - started, self.resolved.max_model_len,
                     self.resolved.num_kv_blocks, config.block_size)
 
-    def _set_up(self, loaded: LoadedModel) -> None:
+    def _set_up(self, loaded: LoadedModel, start: MemoryAtStart | None) -> None:
         config, hf_config, dtype, device = self.config, loaded.hf_config, loaded.dtype, \
             loaded.device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # graph capture and Triton launches below use it
         max_model_len = loaded.max_model_len
         self.model = loaded.model
-        num_kv_blocks = _resolve_num_kv_blocks(config, max_model_len,
-                                               kv_cache_bytes_per_block(self.model,
-                                                                        config.block_size, dtype))
+        capture_sizes = default_capture_sizes(config.max_num_seqs) \
+            if self._decode_graphs_possible(device) else []
+        num_kv_blocks = _resolve_num_kv_blocks(config, loaded, start, capture_sizes,
+                                               self.rank_group)
         self.resolved = ResolvedConfig(
             max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dtype=dtype, device=device,
             vocab_size=hf_config.vocab_size,
@@ -92,9 +98,8 @@ class LLMEngine:
         # With TP, rank 0's runner mirrors every step (and KV handoff) on the follower ranks.
         self.runner = runner if self.rank_group is None else LeaderRunner(runner,
                                                                           self.rank_group)
-        if self._decode_graphs_possible(device):  # with TP, every rank captures (in step)
-            self.runner.enable_cuda_graphs(default_capture_sizes(config.max_num_seqs),
-                                           max_model_len)
+        if capture_sizes:  # with TP, every rank captures (in step)
+            self.runner.enable_cuda_graphs(capture_sizes, max_model_len)
         self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
@@ -269,19 +274,21 @@ class LLMEngine:
         return sampled
 
 
-def _resolve_num_kv_blocks(config: EngineConfig, max_model_len: int, bytes_per_block: int
-                           ) -> int:
-    blocks_per_seq = -(-max_model_len // config.block_size)
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
+def _resolve_num_kv_blocks(config: EngineConfig, loaded: LoadedModel,
+                           start: MemoryAtStart | None, capture_sizes: list[int],
+                           rank_group: RankGroup | None) -> int:
+    """Every rank sizes its own cache (memory_profile.py); under TP on GPUs the ranks profile
+    together and the smallest count wins (elsewhere the followers take rank 0's)."""
+    if rank_group is None or start is None or config.num_kv_blocks is not None:
+        size = size_rank_kv_cache(config, loaded, start, capture_sizes)
     else:
-        # Enough for max_num_seqs full-length sequences, capped by the memory budget.
-        num_blocks = min(config.max_num_seqs * blocks_per_seq,
-                         config.kv_cache_memory_bytes // bytes_per_block)
-    if num_blocks < blocks_per_seq:
-        raise ValueError(f"num_kv_blocks={num_blocks} holds {num_blocks * config.block_size} "
-                         f"tokens, fewer than max_model_len={max_model_len}: one full-length "
-                         "sequence must fit (raise num_kv_blocks / kv_cache_memory_bytes or "
-                         "lower max_model_len)")
-    return num_blocks
+        own: list[KVCacheSize] = []
 
+        def size_own() -> int:
+            own.append(size_rank_kv_cache(config, loaded, start, capture_sizes))
+            return own[0].num_blocks
+
+        num_blocks = rank_group.smallest_kv_blocks(size_own, bool(capture_sizes))
+        size = dataclasses.replace(own[0], num_blocks=num_blocks)
+    logger.info("%s", size.describe())
+    return size.num_blocks

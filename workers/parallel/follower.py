@@ -3,10 +3,11 @@
     python -m tandem.workers.parallel.follower --rank R --world-size N --store-port P
         --parent-pid PID --num-threads T --engine-config JSON
 
-It joins rank 0's process group, loads its shards of the same model, allocates as many KV
-blocks as rank 0 did, then replays rank 0's commands until STOP (rank_runner.py). It never
-outlives rank 0: a watchdog thread exits when its parent pid changes (rank 0 died), and a
-collective with a dead rank 0 fails at once on the closed connection. SIGINT and SIGTERM are
+It joins rank 0's process group, loads its shards of the same model, on GPUs sizes its own KV
+cache with the other ranks (the smallest count wins), allocates that many blocks, then replays
+rank 0's commands until STOP (rank_runner.py). It never outlives rank 0: a watchdog thread
+exits when its parent pid changes (rank 0 died), and a collective with a dead rank 0 fails at
+once on the closed connection. SIGINT and SIGTERM are
 ignored: a Ctrl-C reaches the whole process group, and so does a SIGTERM from systemd (its
 default KillMode) or an init that signals the group; rank 0 decides when followers stop, after
 draining its in-flight requests, which need every rank to run. SIGUSR1 prints every thread's
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from tandem.workers.engine.config import EngineConfig
+    from tandem.workers.engine.cuda_graphs import default_capture_sizes
+    from tandem.workers.engine.memory_profile import memory_at_start, size_rank_kv_cache
     from tandem.workers.engine.model_runner import ModelRunner
     from tandem.workers.engine.model_setup import load_model
     from tandem.workers.parallel.context import ParallelContext
@@ -70,8 +73,15 @@ def run(args: argparse.Namespace) -> None:
     store.set(joined_key(args.rank), "1")
     control_group = init_rank_group(store, args.rank, args.world_size, device)
     try:
+        start = memory_at_start(device)
         loaded = load_model(config, parallel)
-        num_kv_blocks = num_kv_blocks_from_leader(control_group)
+
+        def size_own(uses_cuda_graphs: bool) -> int:
+            capture_sizes = default_capture_sizes(config.max_num_seqs) if uses_cuda_graphs \
+                else []
+            return size_rank_kv_cache(config, loaded, start, capture_sizes).num_blocks
+
+        num_kv_blocks = num_kv_blocks_from_leader(control_group, size_own)
         if num_kv_blocks is not None:  # None: rank 0 stopped before it finished loading
             runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, loaded.dtype,
                                  loaded.device)

@@ -17,8 +17,12 @@ Commands:
     GATHER_KV  args (num_blocks,); payload = block ids: every rank sends rank 0 its KV shard
     SCATTER_KV args (num_blocks,); payload = block ids: rank 0 sends every rank its KV shard
     STOP       no args: followers leave their loop and exit
-    KV_BLOCKS  args (num_kv_blocks,): sent once after loading, so every rank sizes its cache
-               exactly as rank 0 did
+    PROFILE_MEMORY args (uses_cuda_graphs,): sent once after loading, on GPUs unless
+               num_kv_blocks is given: every rank profiles a dummy prefill together and sizes
+               its own KV cache (engine/memory_profile.py); all learn every rank's block count
+               (0: that rank's cache does not fit), and KV_BLOCKS follows with the smallest
+    KV_BLOCKS  args (num_kv_blocks,): sent once after loading (after PROFILE_MEMORY, if sent),
+               so every rank allocates as many blocks as rank 0
     IPC_SETUP  no args: every rank readies cuda-ipc (compiles its gather, exports its cache) and
                sends rank 0 its export (parallel/ipc_ranks.py)
     IPC_MAP    args (slot, num_bytes); payload = a source's ExportKVCacheResponse as bytes
@@ -72,6 +76,7 @@ class Command(IntEnum):
     NIXL_UNLOAD = 13
     NIXL_POLL = 14
     IPC_POLL = 15
+    PROFILE_MEMORY = 16
 
 
 def make_header(command: Command, *args: int) -> torch.Tensor:

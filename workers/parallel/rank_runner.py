@@ -14,7 +14,7 @@ which the servicers run as engine commands, cuda-ipc handoffs through `setup_kv_
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -28,7 +28,8 @@ from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.v1 import worker_pb2
 from tandem.workers.parallel.followers import FollowerProcesses
-from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
+from tandem.workers.parallel.control_gathers import (all_gather_bytes, all_gather_ints,
+                                                     failed_ranks)
 from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
 from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
                                                local_share, share_shape, split_joined,
@@ -80,6 +81,12 @@ class RankGroup:
             logger.exception("%s failed on rank 0; ending the follower ranks", what)
             self.followers.end_after_failure()
             raise
+
+    def smallest_kv_blocks(self, size_own: Callable[[], int], uses_cuda_graphs: bool) -> int:
+        """Every rank sizes its own KV cache from its memory (PROFILE_MEMORY; size_own runs
+        rank 0's part); the smallest count, which every rank then allocates, is returned."""
+        self.send(make_header(Command.PROFILE_MEMORY, int(uses_cuda_graphs)))
+        return smallest_kv_blocks(size_own, self.control_group)
 
     def shutdown(self) -> None:
         """Tell the followers to stop, wait for them, leave the group. Idempotent."""
@@ -286,11 +293,36 @@ def follow_leader(runner: ModelRunner, control_group: ProcessGroup | None,
             raise RuntimeError(f"unexpected command {command.name}")
 
 
-def num_kv_blocks_from_leader(control_group: ProcessGroup | None) -> int | None:
-    """The first message a follower receives: how many KV blocks rank 0 allocated (None:
-    rank 0 stopped before it finished loading)."""
+def smallest_kv_blocks(size_own: Callable[[], int], control_group: ProcessGroup | None) -> int:
+    """Runs this rank's sizing (every rank at once: a GPU profile's forward all-reduces) and
+    returns the smallest count of all ranks. A rank whose cache does not fit reports 0 so the
+    others do not wait for it: it raises its own ValueError, the others one naming it."""
+    try:
+        own, error = size_own(), None
+    except ValueError as exc:
+        own, error = 0, exc
+    counts = all_gather_ints(own, control_group)
+    if error is not None:
+        raise error
+    failed = [rank for rank, count in enumerate(counts) if count < 1]
+    if failed:
+        raise ValueError(f"the KV cache does not fit on TP rank(s) {failed} (their logs say "
+                         "which sizes); raise gpu_memory_utilization or lower max_model_len")
+    return min(counts)
+
+
+def num_kv_blocks_from_leader(control_group: ProcessGroup | None,
+                              size_own: Callable[[bool], int]) -> int | None:
+    """How many KV blocks rank 0 allocated, after this rank's part of PROFILE_MEMORY when
+    rank 0 sends it first (size_own(uses_cuda_graphs): this rank's own count). None: rank 0
+    stopped before it finished loading."""
     header, _ = receive_command(control_group)
     command = Command(int(header[0]))
+    if command is Command.PROFILE_MEMORY:
+        uses_cuda_graphs = bool(header[1])
+        smallest_kv_blocks(lambda: size_own(uses_cuda_graphs), control_group)
+        header, _ = receive_command(control_group)
+        command = Command(int(header[0]))
     if command is Command.STOP:
         return None
     if command is not Command.KV_BLOCKS:

@@ -251,3 +251,20 @@ def test_up_passes_parallel_flags_to_every_worker_and_the_worker_accepts_them():
     config = engine_config(worker_args)
     assert config.tensor_parallel_size == 2 and config.enable_expert_parallel
     assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.WORKER_FLAGS) == []
+
+
+def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_fractions(
+        tmp_path, capsys):
+    from tandem.workers.server import build_parser, engine_config
+
+    up = cli.build_parser()
+    for argv, num_workers, share in ((["up"], 2, "0.45"), (["up", "--both", "1"], 1, "0.9"),
+                                     (["up", "--gpu-memory-utilization", "0.6"], 3, "0.2")):
+        flags = cli.worker_flags(up.parse_args(argv), num_workers)
+        assert flags == ["--gpu-memory-utilization", share]
+        worker_args = build_parser().parse_args(["--role", "both", "--model", "/m", "--port",
+                                                 "1", *flags])
+        assert engine_config(worker_args).gpu_memory_utilization == float(share)
+    assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
+                     "--gpu-memory-utilization", "1.2"]) == 1
+    assert "--gpu-memory-utilization 1.2 must be in (0, 1]" in capsys.readouterr().err
