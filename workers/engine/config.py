@@ -26,9 +26,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     block_size: int = 16
     # Overrides the sizing: on a GPU from gpu_memory_utilization (engine/memory_profile.py),
-    # on CPU from kv_cache_memory_bytes, capped by what max_num_seqs full-length sequences need.
+    # on CPU from kv_cache_memory_bytes; both capped by what max_num_seqs full-length sequences
+    # need.
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 2 << 30  # CPU only
+    kv_cache_memory_bytes: int = 2 << 30  # on CPU only
     # The fraction of the GPU's memory this engine may use for weights, activations, CUDA
     # graphs and KV; the KV cache gets what the rest leaves.
     gpu_memory_utilization: float = 0.9

@@ -5,7 +5,9 @@ memory_profile.py measures the sizes; this module only combines them:
     budget     = gpu_memory_utilization x total            this worker's share of the device
     non-KV     = weights + peak activations + reserve       reserve: CUDA graphs, the sampler's
                                                             logits, allocations outside torch
-    KV blocks  = (budget - non-KV) // bytes_per_block
+    KV blocks  = (budget - non-KV) // bytes_per_block, at most what max_num_seqs sequences of
+                 max_model_len hold (a tiny model would otherwise get millions of blocks, each
+                 an entry in the block manager)
 
 Memory already in use when the worker starts (other processes, other engines in this process)
 is not part of the budget, but the budget must fit beside it: two workers at 0.45 share a GPU,
@@ -68,14 +70,16 @@ def check_gpu_memory_utilization(value: float) -> None:
 
 
 def size_kv_cache(profile: MemoryProfile, *, gpu_memory_utilization: float,
-                  bytes_per_block: int, block_size: int, max_model_len: int) -> KVCacheSize:
+                  bytes_per_block: int, block_size: int, max_model_len: int,
+                  max_num_seqs: int) -> KVCacheSize:
     """The KV blocks that fit in gpu_memory_utilization x the device beside everything else
-    the worker holds; at least one sequence of max_model_len must fit."""
+    the worker holds (module docstring); at least one sequence of max_model_len must fit."""
     check_gpu_memory_utilization(gpu_memory_utilization)
     p, fraction = profile, gpu_memory_utilization
-    if min(bytes_per_block, block_size, max_model_len) < 1:
-        raise ValueError(f"bytes_per_block={bytes_per_block}, block_size={block_size} and "
-                         f"max_model_len={max_model_len} must be >= 1")
+    if min(bytes_per_block, block_size, max_model_len, max_num_seqs) < 1:
+        raise ValueError(f"bytes_per_block={bytes_per_block}, block_size={block_size}, "
+                         f"max_model_len={max_model_len} and max_num_seqs={max_num_seqs} must "
+                         "be >= 1")
     budget = int(fraction * p.total_bytes)
     free = p.total_bytes - p.used_by_others_bytes
     if budget > free:
@@ -101,6 +105,7 @@ def size_kv_cache(profile: MemoryProfile, *, gpu_memory_utilization: float,
             f"{_gib(p.reserved_bytes)}: {num_blocks} blocks, fewer than the {need} "
             f"({_gib(need * bytes_per_block)}) one sequence of max_model_len={max_model_len} "
             "needs; raise gpu_memory_utilization or lower max_model_len")
+    num_blocks = min(num_blocks, max_num_seqs * need)
     return KVCacheSize(num_blocks, bytes_per_block, block_size, max_model_len)
 
 

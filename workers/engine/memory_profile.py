@@ -8,7 +8,7 @@ On a GPU the rank measures what the device already holds, its weights, and the p
 prefill of max_num_batched_tokens dummy tokens (the largest step the scheduler builds), and
 reserves room for what comes after sizing: the decode CUDA graphs' pool, the sampler's work on
 [max_num_seqs, vocab] logits, and allocations outside torch's allocator (CUDA and NCCL
-handles, kernel modules). Only this process's allocator counts as its own, so workers that
+handles, kernel modules). The cache never outgrows max_num_seqs sequences of max_model_len. Only this process's allocator counts as its own, so workers that
 start together on one GPU do not mistake each other's loading for their own use.
 
 On CPU the KV cache takes `kv_cache_memory_bytes` (2 GiB by default), capped by what
@@ -78,7 +78,8 @@ def size_rank_kv_cache(config: EngineConfig, loaded: LoadedModel, start: MemoryA
     profile = profile_memory(config, loaded, start, capture_sizes)
     size = size_kv_cache(profile, gpu_memory_utilization=config.gpu_memory_utilization,
                          bytes_per_block=bytes_per_block, block_size=config.block_size,
-                         max_model_len=loaded.max_model_len)
+                         max_model_len=loaded.max_model_len,
+                         max_num_seqs=config.max_num_seqs)
     logger.info("GPU memory: %.2f GiB = %g x %.2f GiB (%.2f GiB in use by others); weights "
                 "%.2f, activations %.2f, reserved %.2f GiB",
                 config.gpu_memory_utilization * profile.total_bytes / GiB,

@@ -20,9 +20,11 @@ def profile(total=H100, others=GiB // 2, weights=15 * GiB, activations=2 * GiB,
                          peak_activation_bytes=activations, reserved_bytes=reserved)
 
 
-def size(memory: MemoryProfile, fraction=0.9, max_model_len=8192):
-    return size_kv_cache(memory, gpu_memory_utilization=fraction, bytes_per_block=BLOCK_BYTES,
-                         block_size=16, max_model_len=max_model_len)
+def size(memory: MemoryProfile, fraction=0.9, max_model_len=8192, max_num_seqs=64,
+         bytes_per_block=BLOCK_BYTES):
+    return size_kv_cache(memory, gpu_memory_utilization=fraction,
+                         bytes_per_block=bytes_per_block, block_size=16,
+                         max_model_len=max_model_len, max_num_seqs=max_num_seqs)
 
 
 def test_default_fraction_gives_the_kv_cache_what_weights_and_activations_leave():
@@ -81,6 +83,14 @@ def test_fractions_outside_zero_to_one_are_refused(fraction):
 def test_the_whole_device_is_allowed_when_nothing_else_uses_it():
     kv = size(profile(others=0), fraction=1.0)
     assert kv.num_blocks == (H100 - 18 * GiB) // BLOCK_BYTES
+
+
+def test_gpu_cache_never_outgrows_max_num_seqs_full_length_sequences():
+    # A tiny model (4 KiB blocks) would get 70 GiB / 4 KiB = millions of blocks.
+    tiny = profile(weights=MiB, activations=MiB, reserved=GiB)
+    assert size(tiny, max_model_len=512, max_num_seqs=8, bytes_per_block=4096).num_blocks == 256
+    # An 8B model at max_model_len 2048: 64 x 128 blocks (16 GiB) of the 54 GiB left.
+    assert size(profile(), max_model_len=2048).num_blocks == 64 * 128
 
 
 def test_cpu_budget_is_capped_by_what_max_num_seqs_full_sequences_need():
