@@ -78,6 +78,20 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         else:
             p.add_argument(flag, type=kind, metavar=kind.__name__.upper(),
                            help=f"passed to the {to}")
+    security = p.add_argument_group(
+        "security", "Every process gets a fresh random internal token (a 0600 file in a "
+        "private temporary folder, removed on exit), so the workers accept calls only from the "
+        "router and each other.")
+    security.add_argument("--auth-token-file", metavar="FILE",
+                          help="the router requires 'authorization: Bearer <token in FILE>'")
+    security.add_argument("--tls-cert", metavar="PEM",
+                          help="certificate of every process; with --tls-key and --tls-ca, "
+                               "mutual TLS everywhere (it must name 127.0.0.1, or give "
+                               "--tls-server-name)")
+    security.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    security.add_argument("--tls-ca", metavar="PEM", help="CA that signs every certificate")
+    security.add_argument("--tls-server-name", metavar="NAME",
+                          help="name to expect in peers' certificates")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
