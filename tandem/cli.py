@@ -198,7 +198,7 @@ def _run_planned_stack(args: argparse.Namespace, model: str, groups, tls) -> int
 
 
 def _resolve_model(model: str | None) -> str:
-    if model is None:  # fetched once here, so the children never race to download it
+    if model is None:  # converted once here, so the children never race to convert it
         from tandem.common.default_model import ensure_default_model
 
         return str(ensure_default_model())

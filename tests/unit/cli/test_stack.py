@@ -251,3 +251,24 @@ def test_up_passes_parallel_flags_to_every_worker_and_the_worker_accepts_them():
     config = engine_config(worker_args)
     assert config.tensor_parallel_size == 2 and config.enable_expert_parallel
     assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.WORKER_FLAGS) == []
+
+
+def test_up_help_describes_the_default_model_and_the_security_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "download" not in text.lower()
+    assert "converted once from the GGUF shipped in the installed tandem wheel" in text
+    for flag in ("--auth-token-file", "--tls-cert", "--tls-key", "--tls-ca"):
+        assert flag in text
+    assert "internal token" in text
+
+
+def test_internal_token_file_is_private_and_random(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = Path(cli.write_internal_token(tmp_path / "a"))
+    second = Path(cli.write_internal_token(tmp_path / "b"))
+    assert first.stat().st_mode & 0o777 == 0o600
+    assert len(first.read_text().strip()) >= 32
+    assert first.read_text() != second.read_text()
