@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -136,7 +137,8 @@ def _convert(gguf_path: Path, out_dir: Path, show_progress: bool,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, _SAVED_DTYPE)
-    with _library_progress_bars(show_progress, log):
+    with _library_progress_bars(show_progress, log), _Heartbeat(log) as heartbeat:
+        log = heartbeat.step
         log("[1/3] reading the tokenizer and chat template from the GGUF")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         log("[2/3] reading and dequantizing the weights (Q4_1 -> float32)")
@@ -169,6 +171,36 @@ def _make_readable(folder: Path) -> None:
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
+
+
+class _Heartbeat:
+    """While the conversion runs, a daemon thread logs "<last step>: still working (S s)" every
+    2 * PROGRESS_INTERVAL_S seconds, so a slow machine shows progress where no counter exists.
+    `step(message, *args)` logs a step and makes it the one repeated."""
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        self._log = log
+        self._step = "converting"
+        self._done = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="convert-progress")
+
+    def step(self, message: str, *args) -> None:
+        self._step = (message % args).split(" (")[0]
+        self._log(message, *args)
+
+    def _beat(self) -> None:
+        while not self._done.wait(2 * PROGRESS_INTERVAL_S):
+            self._log("%s: still working (%.0f s)", self._step,
+                      time.monotonic() - self._started)
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 class LoggedProgress:

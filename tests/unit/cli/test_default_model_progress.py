@@ -1,6 +1,8 @@
 """The default model's one-time conversion reports how far it is, not a time promise."""
 from __future__ import annotations
 
+import time
+
 import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
 from tandem.common import default_model
@@ -30,3 +32,19 @@ def test_the_gguf_reader_logs_progress_lines_while_converting():
     with default_model._library_progress_bars(False, lines.append):
         assert list(gguf_utils.tqdm(["a"], desc="quiet")) == ["a"]
     assert len(lines) == 1
+
+
+def test_a_long_step_repeats_a_still_working_line(monkeypatch):
+    monkeypatch.setattr(default_model, "PROGRESS_INTERVAL_S", 0.02)
+    lines = []
+    with default_model._Heartbeat(lambda fmt, *a: lines.append(fmt % a)) as heartbeat:
+        heartbeat.step("[2/3] reading the weights (%s)", "slow")
+        deadline = time.monotonic() + 30
+        while not any("still working" in line for line in lines):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.01)
+    assert lines[0] == "[2/3] reading the weights (slow)"
+    assert any(line.startswith("[2/3] reading the weights: still working (") for line in lines)
+    num_lines = len(lines)
+    time.sleep(0.1)
+    assert len(lines) == num_lines  # the thread stopped with the conversion
