@@ -240,9 +240,9 @@ def test_cli_generate_sends_min_tokens_logprobs_request_id_and_a_default_deadlin
     assert "token 0 logprob=-0.5000 rank=1 top 0:-0.500" in err
     assert cli.main(["generate", "--router", router, "deadline"]) == 0
     remaining = float(text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text)
-    assert 250 < remaining <= 300  # the default deadline; --timeout changes it
+    assert 250 < remaining < 310  # the default deadline, 300 s; --timeout changes it
     assert cli.main(["generate", "--router", router, "deadline", "--timeout", "60"]) == 0
-    assert 0 < float(text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text) <= 60
+    assert 0 < float(text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text) < 70
 
 
 def test_cli_generate_without_a_router_says_so(capsys):

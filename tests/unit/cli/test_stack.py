@@ -272,3 +272,12 @@ def test_internal_token_file_is_private_and_random(tmp_path):
     assert first.stat().st_mode & 0o777 == 0o600
     assert len(first.read_text().strip()) >= 32
     assert first.read_text() != second.read_text()
+
+
+def test_metrics_listen_on_loopback_unless_told():
+    from tandem.router.server import build_parser as router_parser
+    from tandem.workers.server import build_parser as worker_parser
+
+    router = router_parser().parse_args(["--model", "/m"])
+    worker = worker_parser().parse_args(["--role", "decode", "--model", "/m", "--port", "1"])
+    assert router.metrics_host == worker.metrics_host == router.host == worker.host == "127.0.0.1"
