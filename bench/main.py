@@ -5,7 +5,8 @@
     tandem bench --rates 1,2,4,8 --duration 60 --slo-ttft 0.5 --slo-tpot 0.05 --plot sweep.png
 
 Progress goes to stderr; the summary table goes to stdout, last. The exit status is 1 when the
-benchmark could not run or a run had no successful request.
+benchmark could not run or a run had no successful request. Ctrl-C stops the run: the table and
+the JSON cover the requests that had finished, and the exit status is 130.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from tandem.bench.config import DEFAULT_NUM_REQUESTS, BenchmarkConfig
 from tandem.bench.report import format_sweep_table
-from tandem.bench.runner import (BenchmarkError, BenchmarkResult, run_benchmark, run_sweep,
-                                 sweep_to_json)
+from tandem.bench.runner import (BenchmarkError, BenchmarkInterrupted, BenchmarkResult,
+                                 run_benchmark, run_sweep, sweep_to_json)
+from tandem.client_flags import add_client_flags, client_security
 
 __all__ = ["build_parser", "main"]
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write config, stats and per-request records")
     p.add_argument("--plot", metavar="FILE.png", help="write latency CDFs (and sweep curves)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_client_flags(p)
     return p
 
 
@@ -93,15 +96,38 @@ def _write_outputs(args: argparse.Namespace, results: list[BenchmarkResult],
         print(f"tandem bench: wrote {args.plot}", file=sys.stderr)
 
 
+def _check_outputs_possible(args: argparse.Namespace) -> None:
+    """Fail before the run, not after it, when an output cannot be written."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"--plot needs matplotlib ({exc}); pip install matplotlib "
+                             "(or drop --plot)") from None
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: its folder does not exist")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    interrupted = False
     try:
         rates = _parse_rates(args.rates) if args.rates else None
         config = _config(args)
-        results = run_sweep(config, rates) if rates else [run_benchmark(config)]
+        client_options = client_security(args)
+        _check_outputs_possible(args)
+        try:
+            results = (run_sweep(config, rates, client_options) if rates
+                       else [run_benchmark(config, client_options)])
+        except BenchmarkInterrupted as exc:
+            interrupted, results = True, exc.results
+            rates = rates[:len(results)] if rates else None
+            print("tandem bench: interrupted; reporting the requests that finished",
+                  file=sys.stderr)
         _write_outputs(args, results, rates)
-    except (BenchmarkError, ValueError, OSError) as exc:
+    except (BenchmarkError, ValueError, OSError, RuntimeError) as exc:
         print(f"tandem bench: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -111,4 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if rates:
         tables.append(format_sweep_table(rates, [result.stats for result in results]))
     print("\n\n".join(tables), flush=True)
+    if interrupted:
+        return 130
     return 0 if all(result.stats["num_ok"] > 0 for result in results) else 1

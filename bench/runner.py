@@ -29,13 +29,22 @@ from tandem.bench.workload import (FilePrompt, RequestSpec, file_workload, read_
                                    synthetic_workload)
 from tandem.client import AsyncTandemClient
 
-__all__ = ["BenchmarkError", "BenchmarkResult", "async_run_benchmark", "run_benchmark",
-           "run_sweep", "sweep_to_json"]
+__all__ = ["BenchmarkError", "BenchmarkInterrupted", "BenchmarkResult", "async_run_benchmark",
+           "run_benchmark", "run_sweep", "sweep_to_json"]
 MODEL_INFO_TIMEOUT_S = 30.0
 
 
 class BenchmarkError(RuntimeError):
     """The benchmark could not start (e.g. the router did not answer GetModelInfo)."""
+
+
+class BenchmarkInterrupted(Exception):
+    """The run was cancelled (Ctrl-C). `results` hold every finished run, then the interrupted
+    one with the requests that had finished (those cut off are left out)."""
+
+    def __init__(self, results: list[BenchmarkResult]) -> None:
+        super().__init__("interrupted")
+        self.results = results
 
 
 @dataclass(slots=True)
@@ -63,29 +72,54 @@ class BenchmarkResult:
                             load=self.config.load_shape(), model=self.model_info.get("model", ""))
 
 
-async def async_run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
-    """run_benchmark inside a running event loop."""
+async def async_run_benchmark(config: BenchmarkConfig,
+                              client_options: dict | None = None) -> BenchmarkResult:
+    """run_benchmark inside a running event loop. Cancelled, it raises BenchmarkInterrupted
+    with the requests that had finished."""
     prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
-    async with AsyncTandemClient(config.router) as client:
+    async with AsyncTandemClient(config.router, **(client_options or {})) as client:
         model_info = await _model_info(client, config.router)
         specs = _workload(config, model_info, prompts)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         origin_s = time.perf_counter()
-        records = await LoadGenerator(client, config, specs).run()
+        generator = LoadGenerator(client, config, specs)
+        try:
+            records = await generator.run()
+        except asyncio.CancelledError:
+            finished = sorted((r for r in generator.records if r.error_code != "CANCELLED"),
+                              key=lambda record: record.index)
+            raise BenchmarkInterrupted([_result(config, model_info, finished, started_at,
+                                                origin_s)]) from None
+    return _result(config, model_info, records, started_at, origin_s)
+
+
+def _result(config: BenchmarkConfig, model_info: dict, records: list[RequestRecord],
+            started_at: str, origin_s: float) -> BenchmarkResult:
     stats = compute_stats(records, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s)
     return BenchmarkResult(config, model_info, records, stats, started_at, origin_s)
 
 
-def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
+def run_benchmark(config: BenchmarkConfig,
+                  client_options: dict | None = None) -> BenchmarkResult:
     """Runs one benchmark to the end (its own event loop). Raises BenchmarkError when the
-    router cannot be asked for its model, ValueError for a bad prompts file."""
-    return asyncio.run(async_run_benchmark(config))
+    router cannot be asked for its model, ValueError for a bad prompts file,
+    BenchmarkInterrupted on Ctrl-C. `client_options`: AsyncTandemClient keyword arguments
+    (token, TLS files)."""
+    return asyncio.run(async_run_benchmark(config, client_options))
 
 
-def run_sweep(config: BenchmarkConfig, rates: Sequence[float]) -> list[BenchmarkResult]:
+def run_sweep(config: BenchmarkConfig, rates: Sequence[float],
+              client_options: dict | None = None) -> list[BenchmarkResult]:
     """One open-loop run per Poisson rate, in the order given, each with `config`'s workload."""
     async def sweep() -> list[BenchmarkResult]:
-        return [await async_run_benchmark(config.with_rate(rate)) for rate in rates]
+        results = []
+        for rate in rates:
+            try:
+                results.append(await async_run_benchmark(config.with_rate(rate),
+                                                         client_options))
+            except BenchmarkInterrupted as interrupted:
+                raise BenchmarkInterrupted(results + interrupted.results) from None
+        return results
 
     return asyncio.run(sweep())
 

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ _FORMAT_VERSION = 1  # bump when the folder's contents change; older folders are
 # 3.9e-3: logits move <= 0.03 from the exact fp32 dequantization, bf16 <= 0.19. All weights
 # satisfy |w| <= 9.25, far inside fp16's range. The folder is half of fp32's 540 MB.
 _SAVED_DTYPE = "float16"
+PROGRESS_INTERVAL_S = 5.0  # how often the conversion logs how many tensors it has dequantized
 
 
 def default_cache_dir() -> Path:
@@ -130,12 +132,13 @@ def _convert(gguf_path: Path, out_dir: Path, show_progress: bool,
              log: Callable[..., None]) -> None:
     """Dequantize the GGUF into an HF folder; the same input always gives the same bytes."""
     start = time.monotonic()
-    log("converting %s (one time, about a minute on 2 cores)", gguf_path)
+    log("converting %s (one time; its progress follows)", gguf_path)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, _SAVED_DTYPE)
-    with _library_progress_bars(show_progress):
+    with _library_progress_bars(show_progress, log), _Heartbeat(log) as heartbeat:
+        log = heartbeat.step
         log("[1/3] reading the tokenizer and chat template from the GGUF")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         log("[2/3] reading and dequantizing the weights (Q4_1 -> float32)")
@@ -170,20 +173,73 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o644)
 
 
+class _Heartbeat:
+    """While the conversion runs, a daemon thread logs "<last step>: still working (S s)" every
+    2 * PROGRESS_INTERVAL_S seconds, so a slow machine shows progress where no counter exists.
+    `step(message, *args)` logs a step and makes it the one repeated."""
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        self._log = log
+        self._step = "converting"
+        self._done = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="convert-progress")
+
+    def step(self, message: str, *args) -> None:
+        self._step = (message % args).split(" (")[0]
+        self._log(message, *args)
+
+    def _beat(self) -> None:
+        while not self._done.wait(2 * PROGRESS_INTERVAL_S):
+            self._log("%s: still working (%.0f s)", self._step,
+                      time.monotonic() - self._started)
+
+    def __enter__(self) -> _Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class LoggedProgress:
+    """Iterates `items` and logs "<label> N/TOTAL (S s)" at most every `interval_s` seconds and
+    at the end: one plain log line at a time, readable in a file or through `tandem up`."""
+
+    def __init__(self, items, *, label: str, log: Callable[..., None],
+                 interval_s: float = PROGRESS_INTERVAL_S, **_tqdm_options) -> None:
+        self.items, self.label, self.log, self.interval_s = items, label, log, interval_s
+
+    def __iter__(self):
+        total = len(self.items) if hasattr(self.items, "__len__") else None
+        start = last = time.monotonic()
+        num_done = 0
+        for item in self.items:
+            yield item
+            num_done += 1
+            now = time.monotonic()
+            if now - last >= self.interval_s or num_done == total:
+                last = now
+                shown_total = "" if total is None else f"/{total}"
+                self.log("%s %d%s (%.0f s)", self.label, num_done, shown_total, now - start)
+
+
 @contextmanager
-def _library_progress_bars(enabled: bool) -> Iterator[None]:
-    """transformers' own bars follow its switch; its GGUF reader calls tqdm directly."""
-    if enabled:
-        yield
-        return
+def _library_progress_bars(enabled: bool, log: Callable[..., None]) -> Iterator[None]:
+    """transformers' own bars follow `enabled`; its GGUF reader, which calls tqdm directly and
+    takes most of the time, logs LoggedProgress lines instead of a bar (or nothing)."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
     gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if not enabled:
+        hf_logging.disable_progress_bar()
     if gguf_tqdm is not None:
-        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+        gguf_utils.tqdm = (functools.partial(LoggedProgress, label="dequantized tensors",
+                                             log=log) if enabled
+                           else functools.partial(gguf_tqdm, disable=True))
     try:
         yield
     finally:

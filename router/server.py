@@ -57,10 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name to expect in peers' certificates (peers are dialled by IP)")
     p.add_argument("--tls-ca", help="CA certificate that signs clients and workers (PEM)")
     p.add_argument("--auth-token-file",
-                   help="require 'authorization: Bearer <token>' on tandem.v1.Generate")
+                   help="require 'authorization: Bearer <token>' on tandem.v1.Generate; "
+                        "without TLS this needs --internal-token-file too (the router refuses "
+                        "to start otherwise: the workers would stay open to anyone)")
+    p.add_argument("--internal-token-file",
+                   help="the secret the workers were given with their --internal-token-file; "
+                        "sent on every call to a worker")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (off when not given)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for /metrics (0.0.0.0 for a scrape from other hosts)")
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
@@ -71,8 +77,14 @@ async def serve(args: argparse.Namespace) -> None:
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
     token = read_token(args.auth_token_file)
+    internal_token = read_token(args.internal_token_file, "--internal-token-file")
+    if token and tls is None and internal_token is None:
+        raise ValueError("--auth-token-file without TLS needs --internal-token-file (the same "
+                         "file the workers get): otherwise anyone reaching a worker port "
+                         "bypasses the token")
     frontend = await asyncio.to_thread(ModelFrontend, args.model, args.max_model_len)
-    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval, tls)
+    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval, tls,
+                      internal_token)
     await pool.start()
     metrics = RouterMetrics(frontend.limits.name)
     servicer = GenerateServicer(frontend, pool,

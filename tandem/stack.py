@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.logging import get_logger
+from tandem.common.security import TLSFiles
 
 logger = get_logger("tandem.up")
 POLL_INTERVAL_S = 0.2
@@ -95,8 +96,9 @@ def dial_address(address: str) -> str:
 class Stack:
     """The child processes of one `tandem up`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSFiles | None = None) -> None:
         self.groups: list[list[Child]] = []
+        self.tls = tls  # the children's mutual TLS: health checks present the same identity
 
     @property
     def children(self) -> list[Child]:
@@ -125,8 +127,7 @@ class Stack:
         Raises StackError naming the child, with its last output lines, when one exits or is
         not SERVING within `timeout_s` of its start.
         """
-        channels = {id(c): grpc.insecure_channel(dial_address(c.spec.address),
-                                                 options=_HEALTH_CHANNEL_OPTIONS) for c in group}
+        channels = {id(c): self._health_channel(dial_address(c.spec.address)) for c in group}
         try:
             while not all(child.is_ready for child in group):
                 if stop is not None and stop.is_set():
@@ -142,6 +143,14 @@ class Stack:
         finally:
             for channel in channels.values():
                 channel.close()
+
+    def _health_channel(self, address: str) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS)
+        options = list(_HEALTH_CHANNEL_OPTIONS)
+        if self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return grpc.secure_channel(address, self.tls.channel_credentials(), options=options)
 
     def _poll_once(self, child: Child, channel: grpc.Channel, timeout_s: float) -> None:
         name, address = child.spec.name, child.spec.address
@@ -274,7 +283,8 @@ def plan_stack(model: str, *, num_prefill: int, num_decode: int, num_both: int, 
 
 
 def run_stack(groups: Sequence[Sequence[ChildSpec]], *, ready_timeout_s: float = 300.0,
-              grace_s: float = 10.0, on_ready: Callable[[], None] | None = None) -> int:
+              grace_s: float = 10.0, on_ready: Callable[[], None] | None = None,
+              tls: TLSFiles | None = None) -> int:
     """Start `groups` in order, call `on_ready`, run until SIGINT/SIGTERM, stop everything.
 
     Returns 0 after a signal, 1 when a child failed to start or every child died. Must run
@@ -286,7 +296,7 @@ def run_stack(groups: Sequence[Sequence[ChildSpec]], *, ready_timeout_s: float =
         (hurry if stop.is_set() else stop).set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    stack = Stack()
+    stack = Stack(tls)
     try:
         for specs in groups:
             if not stack.wait_ready(stack.launch(specs), ready_timeout_s, stop):

@@ -24,8 +24,9 @@ from tandem.workers.engine.sequence import (FinishReason, Sequence, SequenceStat
 
 logger = get_logger(__name__)
 T = TypeVar("T")
-# How often an idle engine thread wakes to expire KV leases.
-IDLE_POLL_SECONDS = 0.05
+# The longest an idle engine thread sleeps: a command wakes it at once, and it wakes when the
+# next pinned KV lease is due.
+MAX_IDLE_WAIT_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class AsyncEngine:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            item = self._commands.get(timeout=IDLE_POLL_SECONDS) if block \
+            item = self._commands.get(timeout=self._idle_wait()) if block \
                 else self._commands.get_nowait()
         except queue.Empty:
             return
@@ -141,6 +142,13 @@ class AsyncEngine:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _idle_wait(self) -> float:
+        """Seconds until the first pinned lease is due, at most MAX_IDLE_WAIT_SECONDS."""
+        if not self.engine.pinned:
+            return MAX_IDLE_WAIT_SECONDS
+        due_in = min(self.engine.pinned.values()) - time.monotonic()
+        return min(MAX_IDLE_WAIT_SECONDS, max(0.0, due_in))
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
-from tandem.common.security import TLSFiles, add_port
+from tandem.common.security import InternalTokenInterceptor, TLSFiles, add_port, read_token
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
@@ -98,9 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name",
                    help="name to expect in peers' certificates (peers are dialled by IP)")
     p.add_argument("--tls-ca", help="CA certificate that signs every Tandem peer (PEM)")
+    p.add_argument("--internal-token-file",
+                   help="a secret shared by the router and every worker: Worker and KVTransfer "
+                        "calls without it get UNAUTHENTICATED, and calls to peer workers send "
+                        "it (health and reflection stay open). Without TLS, anyone who reaches "
+                        "the port can otherwise run, read and abort requests")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus /metrics on this port (off when not given)")
-    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address for /metrics (0.0.0.0 for a scrape from other hosts)")
     return p
 
 
@@ -131,6 +137,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--kv-transfer nixl needs NIXL: pip install 'tandem[nixl]'")
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
+    internal_token = read_token(args.internal_token_file, "--internal-token-file")
     metrics = WorkerMetrics(Path(args.model).name, args.role)
     compiles = JitCompileWatch(metrics.record_jit_compile)
     compiles.install()  # logs every Triton compile; warns about those while serving
@@ -140,7 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine,
                                on_step=WorkerMetricsRecorder(engine, metrics).after_step)
     try:
-        await _serve_engine(args, async_engine, metrics, tls, compiles)
+        await _serve_engine(args, async_engine, metrics, tls, internal_token, compiles)
     except LostFollowerRank:
         _exit_without_teardown(engine)
     finally:
@@ -152,7 +159,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
                         metrics: WorkerMetrics, tls: TLSFiles | None,
-                        compiles: JitCompileWatch) -> None:
+                        internal_token: str | None, compiles: JitCompileWatch) -> None:
     engine = async_engine.engine
     model_name = Path(args.model).name
     async_engine.start()
@@ -164,7 +171,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
                                      tp_size=engine.config.tensor_parallel_size,
                                      kind=kv_cache_kind(engine.model))
     blocks = kv_block_access(async_engine)
-    peers = PeerChannels(tls)
+    peers = PeerChannels(tls, internal_token)
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size
     nixl_agent = await _nixl_agent(args.kv_transfer, async_engine, layout)
@@ -182,7 +189,13 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
                           tp_size, nixl_agent, engine=async_engine)
     logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    interceptors = ([InternalTokenInterceptor(internal_token,
+                                               tuple(f"/{name}/" for name in SERVICE_NAMES))]
+                    if internal_token else [])
+    if not internal_token and tls is None:
+        logger.warning("no --internal-token-file and no TLS: any client that reaches %s can "
+                       "call Worker and KVTransfer", address)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
                        metrics, kv_receiver=receiver, kv_transports=transports,

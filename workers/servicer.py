@@ -31,16 +31,18 @@ MAX_BLOCK_WAIT_SECONDS = 30.0
 
 
 class PeerChannels:
-    """One shared channel per peer worker address (mutual TLS when configured)."""
+    """One shared channel per peer worker address (mutual TLS and the internal token when
+    configured)."""
 
-    def __init__(self, tls: TLSFiles | None = None) -> None:
-        self._tls = tls
+    def __init__(self, tls: TLSFiles | None = None, token: str | None = None) -> None:
+        self._tls, self._token = tls, token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self._tls)
+            channel = self._channels[address] = open_channel(address, self._tls,
+                                                                  self._token)
         return channel
 
     async def close(self) -> None:

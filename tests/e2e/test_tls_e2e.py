@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.certs import make_identities
 from helpers.checkpoints import random_prompts
-from helpers.client import request
+from helpers.client import WORKER_RPCS, call_worker_rpc, request
 from helpers.processes import free_port, start, stop
 
 from tandem.v1 import generate_pb2_grpc
@@ -99,3 +99,14 @@ def test_a_call_without_the_token_is_unauthenticated(tls_stack):
                                    timeout=10))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING  # probes stay open
+
+
+def test_every_worker_rpc_refuses_a_certificate_from_another_ca(tls_stack):
+    processes, good, tmp = tls_stack
+    stranger = make_identities(tmp / "stranger", name="stranger", trusted_ca=good.ca)
+    for role in ("prefill", "decode"):
+        with secure(processes[role].address, stranger) as channel:
+            for service, method, request_type in WORKER_RPCS:
+                with pytest.raises(grpc.RpcError) as info:
+                    call_worker_rpc(channel, service, method, request_type)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (role, method)

@@ -52,3 +52,24 @@ def worker_load(address: str) -> worker_pb2.GetLoadResponse:
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
                                                            timeout=5)
+
+
+# Every RPC a worker serves, with a request message of its type.
+WORKER_RPCS = [("Worker", "Prefill", worker_pb2.PrefillRequest),
+               ("Worker", "Decode", worker_pb2.DecodeRequest),
+               ("Worker", "Abort", worker_pb2.AbortRequest),
+               ("Worker", "GetLoad", worker_pb2.GetLoadRequest),
+               ("KVTransfer", "PullKV", worker_pb2.PullKVRequest),
+               ("KVTransfer", "ReleaseKV", worker_pb2.ReleaseKVRequest),
+               ("KVTransfer", "ExportKVCache", worker_pb2.ExportKVCacheRequest),
+               ("KVTransfer", "LeaseKV", worker_pb2.LeaseKVRequest),
+               ("KVTransfer", "ExportNixlAgent", worker_pb2.ExportNixlAgentRequest)]
+
+
+def call_worker_rpc(channel, service: str, method: str, request_type, metadata=()):
+    """Run one worker RPC to its end (a stream is drained); raises grpc.RpcError."""
+    stub = getattr(worker_pb2_grpc, f"{service}Stub")(channel)
+    reply = getattr(stub, method)(request_type(), metadata=metadata, timeout=10)
+    if hasattr(reply, "__iter__") and not hasattr(reply, "ListFields"):
+        return list(reply)
+    return reply

@@ -8,18 +8,20 @@ from contextlib import contextmanager
 
 import grpc
 
+from tandem.common.security import add_port
 from tandem.v1 import generate_pb2_grpc
 
 
 @contextmanager
-def serve_generate(servicer) -> Iterator[str]:
-    """Yields the host:port of a grpc.aio server running `servicer`; stops it on exit."""
+def serve_generate(servicer, tls=None, interceptors=()) -> Iterator[str]:
+    """Yields the host:port of a grpc.aio server running `servicer`; stops it on exit.
+    tls: a tandem.common.security.TLSFiles for mutual TLS; interceptors: server interceptors."""
     loop, started, state = asyncio.new_event_loop(), threading.Event(), {}
 
     async def serve():
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=list(interceptors))
         generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
+        state["port"] = add_port(server, "127.0.0.1:0", tls)
         state["stop"] = asyncio.Event()
         await server.start()
         started.set()

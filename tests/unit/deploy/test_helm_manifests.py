@@ -3,6 +3,7 @@ checks, containers run as non-root, arguments parse with the real CLI parsers, a
 and rules shipped in the chart equal deploy/grafana and deploy/prometheus."""
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 
@@ -253,3 +254,57 @@ def test_prometheus_rule_matches_deploy_prometheus(rendered):
     (rule,) = of_kind(docs, "PrometheusRule")
     source = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "tandem-rules.yaml").read_text())
     assert rule["spec"] == source
+
+
+def test_internal_token_secret_is_mounted_and_passed_everywhere(rendered):
+    for name, (_, docs) in rendered.items():
+        secrets = of_kind(docs, "Secret")
+        if name == "tls":  # internalToken.existingSecret: the chart makes none
+            assert not secrets
+            secret_name, key = "tandem-internal", "internal-token"
+        else:
+            (secret,) = secrets
+            secret_name, key = secret["metadata"]["name"], "token"
+            assert secret_name == "tandem-internal-token"
+            assert len(base64.b64decode(secret["data"]["token"])) == 48
+        for workload in workloads(docs):
+            container = main_container(workload)
+            assert flag_value(container["args"], "--internal-token-file") == \
+                "/etc/tandem/internal-token/token", name
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["internal-token"]["mountPath"] == "/etc/tandem/internal-token"
+            volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+            source = volumes["internal-token"]["secret"]
+            assert source["secretName"] == secret_name, name
+            assert source["items"] == [{"key": key, "path": "token"}]
+
+
+def test_network_policy_admits_workers_only_from_router_and_workers(rendered):
+    for name, (_, docs) in rendered.items():
+        policies = of_kind(docs, "NetworkPolicy")
+        if name != "tls":
+            assert not policies, f"{name}: the NetworkPolicy is off by default"
+            continue
+        (policy,) = policies
+        spec = policy["spec"]
+        worker_components = {"prefill", "decode", "both"}
+        (selected,) = spec["podSelector"]["matchExpressions"]
+        assert set(selected["values"]) == worker_components
+        worker_pods = [w for w in workloads(docs) if
+                       w["spec"]["template"]["metadata"]["labels"]
+                       ["app.kubernetes.io/component"] in worker_components]
+        assert worker_pods and all(w["kind"] == "StatefulSet" for w in worker_pods)
+        router_rule, peer_rule, metrics_rule = spec["ingress"]
+        (router_peer,) = router_rule["from"]
+        assert router_peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == \
+            "router"
+        assert router_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+        (worker_peer,) = peer_rule["from"]
+        assert set(worker_peer["podSelector"]["matchExpressions"][0]["values"]) == \
+            worker_components
+        assert metrics_rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+        assert metrics_rule["from"] == [{"namespaceSelector": {
+            "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+        for workload in worker_pods:  # the named ports the rules admit exist on the pods
+            ports = {p["name"] for p in main_container(workload)["ports"]}
+            assert {"grpc", "metrics"} <= ports

@@ -5,8 +5,14 @@ container image built from one) holds what an editable one does."""
 from __future__ import annotations
 
 import fnmatch
+import os
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -51,3 +57,34 @@ def test_kernel_sources_are_package_data():
                 relative = source.relative_to(folder).as_posix()
                 covered |= any(fnmatch.fnmatch(relative, p) for p in patterns)
         assert covered, f"{source.relative_to(REPO_ROOT)} is not package data"
+
+
+def test_package_data_sits_in_listed_packages():
+    """setuptools warns (40 lines, every install) about data files in a folder that is not
+    itself a listed package: every pattern must name files directly in its package."""
+    for package, patterns in setuptools_table().get("package-data", {}).items():
+        assert package in setuptools_table()["packages"], package
+        nested = [pattern for pattern in patterns if "/" in pattern]
+        assert not nested, f"{package}: {nested} are in a subfolder; list it as a package"
+
+
+def test_building_the_package_prints_no_warning(tmp_path):
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject's [build-system] needs 77
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 cannot read pyproject.toml")
+    source = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (REPO_ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, source / name)
+    built = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q",
+                            "build_py", "--build-lib", str(tmp_path / "lib")], cwd=source,
+                           capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items()
+                                if k != "PYTHONDONTWRITEBYTECODE"})  # its own warning
+    assert built.returncode == 0, built.stderr
+    assert "warning" not in (built.stdout + built.stderr).lower(), built.stderr[:3000]
+    kernels = tmp_path / "lib" / "tandem" / "workers" / "ops" / "gpu" / "cuda"
+    assert (kernels / "decode_blocks.cu").is_file() and list(kernels.glob("*.cuh"))

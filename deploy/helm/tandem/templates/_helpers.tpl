@@ -163,6 +163,13 @@ filesystem is read-only). */}}
     secretName: {{ .root.Values.tls.secretName }}
     defaultMode: 0440
 {{- end }}
+- name: internal-token
+  secret:
+    secretName: {{ include "tandem.internalTokenSecret" .root }}
+    defaultMode: 0440
+    items:
+      - key: {{ .root.Values.internalToken.key }}
+        path: token
 {{- end }}
 
 {{- define "tandem.volumeMounts" -}}
@@ -185,6 +192,9 @@ filesystem is read-only). */}}
   mountPath: /etc/tandem/tls
   readOnly: true
 {{- end }}
+- name: internal-token
+  mountPath: /etc/tandem/internal-token
+  readOnly: true
 {{- end }}
 
 {{/* The init container that converts the default model into the model volume
@@ -229,6 +239,19 @@ pod IP, so every certificate must carry tls.serverName, which peers verify. */}}
 - --tls-server-name
 - {{ .Values.tls.serverName | quote }}
 {{- end }}
+{{- end }}
+
+{{/* The Secret holding the internal token: internalToken.existingSecret, or the one
+templates/internal-token.yaml generates. */}}
+{{- define "tandem.internalTokenSecret" -}}
+{{- .Values.internalToken.existingSecret | default (printf "%s-internal-token" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* --internal-token-file: the router and every worker send the token on each internal call and
+workers refuse Worker/KVTransfer calls without it (with or without TLS). */}}
+{{- define "tandem.internalTokenArgs" -}}
+- --internal-token-file
+- /etc/tandem/internal-token/token
 {{- end }}
 
 {{/* A probe: gRPC health of `service` on `port`, or a TCP check of the port with TLS on
