@@ -28,12 +28,15 @@ _FIELD_PATHS = {"max_tokens": "stop.max_tokens", "min_tokens": "stop.min_tokens"
 
 
 class RequestError(Exception):
-    """A bad request: becomes a gRPC status with this code and message."""
+    """A bad request: becomes a gRPC status with this code, message and trailing metadata
+    (e.g. a retry hint)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 @dataclass(frozen=True, slots=True)
