@@ -78,8 +78,10 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for task in list(self._checks.values()):
+        checks = list(self._checks.values())
+        for task in checks:
             task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         for worker in self.workers:
             await worker.channel.close()
 
@@ -103,6 +105,9 @@ class WorkerPool:
                 worker.is_removed = True
         for worker in [w for w in self.workers if w.is_removed and w.num_in_flight == 0]:
             self.workers.remove(worker)
+            check = self._checks.pop(worker, None)
+            if check is not None:
+                check.cancel()
             await worker.channel.close()
 
     def _add(self, role: str, address: str) -> WorkerEndpoint:
@@ -172,9 +177,16 @@ class WorkerPool:
             if worker not in self._checks:
                 task = asyncio.create_task(self._check(worker))
                 self._checks[worker] = task
-                task.add_done_callback(lambda _, w=worker: self._checks.pop(w, None))
+                task.add_done_callback(lambda t, w=worker: self._check_done(w, t))
             tasks.append(self._checks[worker])
         return tasks
+
+    def _check_done(self, worker: WorkerEndpoint, task: asyncio.Task) -> None:
+        if self._checks.get(worker) is task:
+            del self._checks[worker]
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("health check of %s worker %s crashed: %r", worker.role,
+                           worker.address, task.exception())
 
     async def _check_forever(self) -> None:
         while True:
@@ -201,5 +213,5 @@ class WorkerPool:
             self._record_failure(worker, f"health check: {code.name}: {exc.details()}",
                                  "unreachable" if is_unreachable else "failed_checks",
                                  is_hard=is_unreachable)
-        if not worker.is_healthy and worker.num_in_flight == 0:
+        if not worker.is_healthy and not worker.is_removed and worker.num_in_flight == 0:
             await self._reconnect(worker)
