@@ -87,7 +87,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         try:
             if isinstance(request, RequestError):  # undecodable bytes
                 raise request
-            request_id = request.request_id or uuid.uuid4().hex
+            worker_id = worker_request_id(request.request_id)
+            request_id = request.request_id or worker_id
             if self.is_draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
             limits = self.frontend.limits
@@ -106,9 +107,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 self.metrics.queue_time.observe(queue_seconds)
                 self.metrics.prompt_tokens.inc(len(prompt))
                 flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
-                    request_id, worker_request_id(request.request_id), prompt, params,
-                    list(request.stop.stop), arrival, queue_seconds), context, self.metrics,
-                    self.stall)
+                    request_id, worker_id, prompt, params, list(request.stop.stop), arrival,
+                    queue_seconds), context, self.metrics, self.stall)
                 async for response in flow.responses():
                     yield response
         except RequestError as exc:
