@@ -11,9 +11,10 @@ one. So the result does not depend on how the text was split into deltas: stop =
 on "abc" gives "a" and matches "b". Nothing after a match is ever returned.
 
 Each stop string runs a Knuth-Morris-Pratt automaton whose state is the length of its longest
-prefix that ends the text fed so far; the held-back suffix is the longest such state. Time is
-linear in the text fed (times the number of stop strings) and memory linear in the stop
-strings' length, however long they are.
+proper prefix that ends the text fed so far; the held-back suffix is the longest such state.
+Only automata in a state above 0 (few, usually none) and those whose stop string starts with
+the character fed do any work. Time is linear in the text fed (times the number of stop
+strings) and memory linear in the stop strings' length, however long they are.
 """
 from __future__ import annotations
 
@@ -25,23 +26,26 @@ class StopStringMatcher:
         for index, stop_string in enumerate(stop):
             if not stop_string:
                 raise ValueError(f"stop: stop strings must be non-empty (stop[{index}] is empty)")
-        self._automata = [_PrefixAutomaton(s) for s in dict.fromkeys(stop)]
+        self._stops = tuple(dict.fromkeys(stop))
+        self._fallbacks = [_fallback_table(s) for s in self._stops]
+        self._by_first_char: dict[str, list[int]] = {}
+        for index, stop_string in enumerate(self._stops):
+            self._by_first_char.setdefault(stop_string[0], []).append(index)
+        self._states: dict[int, int] = {}  # stop index -> its automaton's state, if above 0
         self._pending = ""
         self._is_stopped = False
 
     def feed(self, text_delta: str) -> tuple[str, str | None]:
         """Returns (text safe to emit now, the stop string matched by this delta or None)."""
-        if not self._automata:
+        if not self._stops:
             return text_delta, None
         if self._is_stopped:
             return "", None
         text = self._pending + text_delta
         for offset, char in enumerate(text_delta):
-            matched = None
-            for automaton in self._automata:
-                if automaton.advance(char) and (matched is None
-                                                or len(automaton.stop) > len(matched)):
-                    matched = automaton.stop
+            if not self._states and char not in self._by_first_char:
+                continue
+            matched = self._advance(char)
             if matched is not None:
                 # The match starts inside the held-back text or this delta: the held-back
                 # suffix was at least as long as this automaton's state before the delta.
@@ -49,7 +53,7 @@ class StopStringMatcher:
                 self._pending = ""
                 self._is_stopped = True
                 return text[: end - len(matched)], matched
-        num_held = max(automaton.state for automaton in self._automata)
+        num_held = max(self._states.values(), default=0)
         self._pending = text[len(text) - num_held :]
         return text[: len(text) - num_held], None
 
@@ -58,36 +62,32 @@ class StopStringMatcher:
         held, self._pending = self._pending, ""
         return held
 
+    def _advance(self, char: str) -> str | None:
+        """Feeds one character to every automaton; the longest stop string it completes."""
+        advanced: dict[int, int] = {}
+        for index, state in self._states.items():
+            stop_string, fallback = self._stops[index], self._fallbacks[index]
+            while state and stop_string[state] != char:
+                state = fallback[state - 1]
+            if stop_string[state] == char:
+                advanced[index] = state + 1
+        for index in self._by_first_char.get(char, ()):
+            advanced.setdefault(index, 1)  # from state 0 (or back to 1)
+        self._states = advanced
+        completed = [self._stops[i] for i, state in advanced.items()
+                     if state == len(self._stops[i])]
+        return max(completed, key=len) if completed else None
 
-class _PrefixAutomaton:
-    """KMP over one stop string. `state`: the length of the longest proper prefix of `stop`
-    that ends the text fed so far."""
 
-    __slots__ = ("stop", "state", "_fallback")
-
-    def __init__(self, stop: str) -> None:
-        self.stop = stop
-        self.state = 0
-        # _fallback[k]: the longest proper prefix of stop[:k + 1] that is also its suffix.
-        fallback = [0] * len(stop)
-        length = 0
-        for i in range(1, len(stop)):
-            while length and stop[i] != stop[length]:
-                length = fallback[length - 1]
-            if stop[i] == stop[length]:
-                length += 1
-            fallback[i] = length
-        self._fallback = fallback
-
-    def advance(self, char: str) -> bool:
-        """Feeds one character; True when the whole stop string now ends the text."""
-        stop, state = self.stop, self.state
-        while state and stop[state] != char:
-            state = self._fallback[state - 1]
-        if stop[state] == char:
-            state += 1
-        if state == len(stop):
-            self.state = self._fallback[state - 1]
-            return True
-        self.state = state
-        return False
+def _fallback_table(stop_string: str) -> list[int]:
+    """KMP failure function: [k] is the longest proper prefix of stop_string[:k + 1] that is
+    also its suffix."""
+    fallback = [0] * len(stop_string)
+    length = 0
+    for i in range(1, len(stop_string)):
+        while length and stop_string[i] != stop_string[length]:
+            length = fallback[length - 1]
+        if stop_string[i] == stop_string[length]:
+            length += 1
+        fallback[i] = length
+    return fallback
