@@ -5,11 +5,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 from helpers.client import generate, request, worker_load
-from helpers.processes import start_stack, stop
+from helpers.processes import free_port, start_stack, stop
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import generate_pb2_grpc
 
@@ -33,6 +35,15 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def router_counter(metrics_address: str, name: str, **labels) -> float:
+    """The sum of a router counter's samples whose labels include `labels`."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == f"{name}_total" and labels.items() <= sample.labels.items())
 
 
 def workers_idle(stack) -> bool:
@@ -115,9 +126,12 @@ def test_burst_excess_gets_resource_exhausted_at_once_with_a_retry_hint(small_ro
 @pytest.mark.slow
 def test_frozen_decode_worker_ends_its_streams_unavailable_and_is_ejected(checkpoint, tmp_path):
     stall_seconds = 3
+    metrics_address = f"127.0.0.1:{free_port()}"
     stack = start_stack(checkpoint("llama").path, tmp_path, num_decode=2, router_args=[
-        "--stall-timeout-seconds", str(stall_seconds), "--first-token-timeout-seconds", "20"])
+        "--stall-timeout-seconds", str(stall_seconds), "--first-token-timeout-seconds", "20",
+        "--metrics-port", metrics_address.rsplit(":", 1)[1], "--metrics-host", "127.0.0.1"])
     victim = stack.workers["decode-0"]
+    ejections = dict(name="tandem:worker_ejections", worker=victim.address, cause="stall")
     outcomes: dict[int, object] = {}
 
     def stream(i):
@@ -145,10 +159,17 @@ def test_frozen_decode_worker_ends_its_streams_unavailable_and_is_ejected(checkp
             assert "stall timeout" in error.details()
         # Well before the call's own 90 s deadline (the stall timeout is 3 s).
         assert time.monotonic() - stopped_at < 60
+        assert router_counter(metrics_address, **ejections) == 1
         # The frozen worker is out of the pool: new requests go to the other one.
         for i in range(3):
             assert generate(stack.router.address, request([3, i], max_tokens=8),
                             timeout=30).complete
+        assert router_counter(metrics_address, "tandem:worker_rejoins",
+                              worker=victim.address) == 0
+        victim.popen.send_signal(signal.SIGCONT)
+        # Back after its ejection backoff, on its first good health check.
+        wait_until(lambda: router_counter(metrics_address, "tandem:worker_rejoins",
+                                          worker=victim.address) >= 1, timeout=30)
     finally:
         victim.popen.send_signal(signal.SIGCONT)
         stop(stack.processes)

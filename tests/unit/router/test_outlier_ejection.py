@@ -14,6 +14,7 @@ from helpers.standin_server import StandinWorker, serve
 
 from tandem.common.metrics import RouterMetrics
 from tandem.router.ejection import HealthPolicy
+from tandem.router.request_flow import StallLimits
 from tandem.router.worker_pool import WorkerPool
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -154,3 +155,22 @@ def test_restarted_worker_rejoins_on_its_first_good_check():
         await pool.close()
 
     asyncio.run(scenario(serve(standin.register)))
+
+
+def test_policies_name_a_bad_value():
+    with pytest.raises(ValueError, match="HealthPolicy.check_timeout_seconds=0"):
+        HealthPolicy(check_timeout_seconds=0)
+    with pytest.raises(ValueError, match="max_ejection_seconds=1"):
+        HealthPolicy(base_ejection_seconds=2, max_ejection_seconds=1)
+    with pytest.raises(ValueError, match="StallLimits.max_token_gap_seconds=-1"):
+        StallLimits(max_token_gap_seconds=-1)
+
+
+def test_first_token_allowance_grows_with_the_prompt_and_zero_turns_limits_off():
+    limits = StallLimits(max_token_gap_seconds=30, first_token_seconds=120,
+                         first_token_seconds_per_1k_tokens=60)
+    assert limits.first_token_timeout(0) == 120
+    assert limits.first_token_timeout(8000) == 120 + 8 * 60
+    assert limits.token_gap_timeout == 30
+    off = StallLimits(max_token_gap_seconds=0, first_token_seconds=0)
+    assert off.first_token_timeout(8000) is None and off.token_gap_timeout is None
