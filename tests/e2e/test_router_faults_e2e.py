@@ -22,9 +22,13 @@ LONG = dict(max_tokens=450)  # several seconds of streaming on CPU
 @pytest.fixture(scope="module")
 def small_router(checkpoint, tmp_path_factory):
     """router (2 running, 2 queued at most) -> 1 prefill -> 1 decode on the tiny Llama."""
+    metrics_port = free_port()
     stack = start_stack(checkpoint("llama").path, tmp_path_factory.mktemp("router_faults"),
                         router_args=["--max-concurrency", str(MAX_CONCURRENCY),
-                                     "--max-queue", str(MAX_QUEUE)])
+                                     "--max-queue", str(MAX_QUEUE),
+                                     "--metrics-port", str(metrics_port),
+                                     "--metrics-host", "127.0.0.1"])
+    stack.router_metrics = f"127.0.0.1:{metrics_port}"
     yield stack
     stop(stack.processes)
 
@@ -120,6 +124,27 @@ def test_burst_excess_gets_resource_exhausted_at_once_with_a_retry_hint(small_ro
     assert max(o[1] for o in refused) < min(o[1] for o in completed)
     for _, _, metadata in refused:
         assert int(metadata["retry-after-ms"]) >= 100
+    wait_until(lambda: workers_idle(small_router), timeout=5)
+
+
+def test_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(small_router):
+    """gRPC cancels a call waiting for admission at its deadline, and the servicer checks the
+    deadline again once admitted: either way no worker sees the request."""
+    address, metrics = small_router.router.address, small_router.router_metrics
+    routed_before = router_counter(metrics, "tandem:routing_decisions", role="prefill")
+    threads = [threading.Thread(target=generate, args=(address, request([40 + i] * 20, **LONG)))
+               for i in range(MAX_CONCURRENCY)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: router_counter(metrics, "tandem:routing_decisions", role="prefill")
+               == routed_before + MAX_CONCURRENCY, timeout=20)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(address, request([50] * 20, max_tokens=4), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for thread in threads:
+        thread.join(timeout=60)
+    assert router_counter(metrics, "tandem:routing_decisions", role="prefill") \
+        == routed_before + MAX_CONCURRENCY
     wait_until(lambda: workers_idle(small_router), timeout=5)
 
 
