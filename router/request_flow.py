@@ -237,7 +237,7 @@ class RequestFlow:
         the worker and raises WorkerFailure. The worker's own verdicts on the request
         (INVALID_ARGUMENT, OUT_OF_RANGE, ...) pass through as they are."""
         try:
-            return await asyncio.wait_for(awaitable, stall_seconds)
+            return await _within(stall_seconds, awaitable)
         except asyncio.TimeoutError:
             reason = f"sent no {awaited} within {stall_seconds:.1f} s (stall timeout)"
             self.pool.mark_failed(worker, reason, cause="stall")
@@ -285,6 +285,16 @@ class RequestFlow:
                 time_per_output_token_seconds=tpot, e2e_seconds=now - arrival,
                 prefill_queue_seconds=self.prefill_queue_seconds,
                 prefill_compute_seconds=self.prefill_compute_seconds))
+
+
+async def _within(seconds: float | None, awaitable):
+    """`await awaitable`, raising asyncio.TimeoutError after `seconds` (None: no limit)."""
+    if seconds is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):  # Python 3.11+: re-arms one timer, no task per token
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _finish_abort(task: asyncio.Task) -> None:
