@@ -138,6 +138,14 @@ class RouterMetrics(_Metrics):
             ("worker", "role"))
         self.routing_decisions = self._counter(
             "tandem:routing_decisions", "Requests sent to each worker.", ("worker", "role"))
+        self.worker_ejections = self._counter(
+            "tandem:worker_ejections",
+            "Workers taken out of the routing pool, by cause: unreachable, not_serving, "
+            "failed_checks (too many in a row), request (a request failed), stall.",
+            ("worker", "role", "cause"))
+        self.worker_rejoins = self._counter(
+            "tandem:worker_rejoins", "Ejected workers back in the routing pool after a good "
+            "check.", ("worker", "role"))
 
 
 class WorkerMetrics(_Metrics):

@@ -1,13 +1,22 @@
 """Admission control: at most max_concurrency requests on the workers, at most max_queue
-waiting behind them; beyond that a request is refused with RESOURCE_EXHAUSTED at once."""
+waiting behind them; beyond that a request is refused with RESOURCE_EXHAUSTED at once, with
+trailing metadata `retry-after-ms`: about when a queue place frees up (the mean time a request
+holds its slot, times the queue's length over the slots), within [MIN_RETRY_AFTER_MS,
+MAX_RETRY_AFTER_MS]."""
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import asynccontextmanager
 
 import grpc
 
 from tandem.router.validation import RequestError
+
+RETRY_AFTER_KEY = "retry-after-ms"
+MIN_RETRY_AFTER_MS = 100
+MAX_RETRY_AFTER_MS = 60_000
+_HOLD_SMOOTHING = 0.1  # weight of the newest request in the mean slot-holding time
 
 
 class Admission:
@@ -20,21 +29,34 @@ class Admission:
         self._slots = asyncio.Semaphore(max_concurrency)
         self.num_waiting = 0
         self.num_running = 0
+        self.mean_hold_seconds = 1.0  # until requests have finished
+
+    @property
+    def retry_after_ms(self) -> int:
+        waves = (self.num_waiting + 1) / self.max_concurrency
+        return int(min(max(self.mean_hold_seconds * waves * 1000, MIN_RETRY_AFTER_MS),
+                       MAX_RETRY_AFTER_MS))
 
     @asynccontextmanager
     async def slot(self):
         if self._slots.locked() and self.num_waiting >= self.max_queue:
+            retry_after_ms = self.retry_after_ms
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"router is at capacity: {self.num_running} requests running, "
-                               f"{self.num_waiting} queued (max_queue={self.max_queue})")
+                               f"{self.num_waiting} queued (max_queue={self.max_queue}); "
+                               f"retry after {retry_after_ms} ms",
+                               ((RETRY_AFTER_KEY, str(retry_after_ms)),))
         self.num_waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self.num_waiting -= 1
         self.num_running += 1
+        started = time.monotonic()
         try:
             yield
         finally:
             self.num_running -= 1
             self._slots.release()
+            self.mean_hold_seconds += _HOLD_SMOOTHING * (time.monotonic() - started
+                                                         - self.mean_hold_seconds)

@@ -1,8 +1,15 @@
 """One request's trip through the workers: prefill on P, decode on D (or both on one
 aggregated worker), relaying tokens to the client as chunks.
 
-Whatever ends the call early (client cancel, deadline, a stop string, a worker failure), every
-worker the request reached gets an explicit Abort: closing a stream alone is not relied on.
+Workers know the request by `worker_request_id`, unique per call, never by the client's id:
+two calls with one client id cannot touch each other's work. Whatever ends the call early
+(client cancel, deadline, a stop string, a worker failure), every worker the request reached
+gets an explicit Abort: closing a stream alone is not relied on.
+
+A worker that fails mid-request (an RPC error, or a stall: no first token within
+`StallLimits.first_token_timeout`, no next token within `max_token_gap_seconds`) is ejected
+from the pool and raises WorkerFailure, which ends the call with UNAVAILABLE naming it. That
+exception is where a retry on another worker (with the tokens streamed so far) plugs in.
 """
 from __future__ import annotations
 
@@ -31,9 +38,45 @@ _PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANG
 _background: set[asyncio.Task] = set()  # keeps fire-and-forget aborts alive
 
 
+@dataclass(frozen=True, slots=True)
+class StallLimits:
+    """When a worker that stops producing counts as failed (router flags); 0 turns one off."""
+
+    max_token_gap_seconds: float = 30.0  # --stall-timeout-seconds
+    first_token_seconds: float = 120.0  # --first-token-timeout-seconds
+    first_token_seconds_per_1k_tokens: float = 60.0  # --first-token-timeout-per-1k-tokens
+
+    def __post_init__(self) -> None:
+        for name in ("max_token_gap_seconds", "first_token_seconds",
+                     "first_token_seconds_per_1k_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StallLimits.{name}={getattr(self, name)} must be >= 0")
+
+    def first_token_timeout(self, num_prompt_tokens: int) -> float | None:
+        if not self.first_token_seconds:
+            return None
+        return (self.first_token_seconds
+                + self.first_token_seconds_per_1k_tokens * num_prompt_tokens / 1000)
+
+    @property
+    def token_gap_timeout(self) -> float | None:
+        return self.max_token_gap_seconds or None
+
+
+class WorkerFailure(RequestError):
+    """A worker failed or stalled during the request (and was ejected, unless the failure
+    looked like the request's own: an INTERNAL error, say)."""
+
+    def __init__(self, worker: WorkerEndpoint, cause: str, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.worker = worker
+        self.cause = cause
+
+
 @dataclass
 class RequestContext:
-    request_id: str
+    request_id: str  # the client's (or one the router made up): logs and Complete only
+    worker_request_id: str  # unique per call: what workers know the request by
     prompt_token_ids: list[int]
     params: SamplingParams
     stop_strings: list[str]
@@ -43,8 +86,9 @@ class RequestContext:
 
 class RequestFlow:
     def __init__(self, pool: WorkerPool, tokenizer, request: RequestContext, context,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, stall: StallLimits = StallLimits()) -> None:
         self.pool = pool
+        self.stall = stall
         self.metrics = metrics
         self.request = request
         self.context = context
@@ -117,9 +161,10 @@ class RequestFlow:
         prefill.num_in_flight += 1
         try:
             reply = await self._call(prefill, prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id=self.request.request_id,
+                request_id=self.request.worker_request_id,
                 prompt_token_ids=self.request.prompt_token_ids, params=params, keep_kv=True),
-                timeout=self.context.time_remaining()))
+                timeout=self.context.time_remaining()), self._first_token_timeout(),
+                "the first token")
         finally:
             prefill.num_in_flight -= 1
         self.num_cached_tokens = reply.num_cached_tokens
@@ -131,7 +176,8 @@ class RequestFlow:
             return
         decode = self._pick("decode")
         call = decode.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+            request_id=self.request.worker_request_id,
+            prompt_token_ids=self.request.prompt_token_ids,
             generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle),
             timeout=self.context.time_remaining())
         async for item in self._relay(decode, call):
@@ -140,7 +186,8 @@ class RequestFlow:
     async def _aggregated(self):
         worker = self._pick("both")
         call = worker.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+            request_id=self.request.worker_request_id,
+            prompt_token_ids=self.request.prompt_token_ids,
             params=engine_params_to_proto(self.request.params)),
             timeout=self.context.time_remaining())
         async for item in self._relay(worker, call):
@@ -151,11 +198,17 @@ class RequestFlow:
         try:
             is_first = True
             while True:
-                message = await self._call(worker, call.read())
+                # Its first message follows the KV pull or the whole prompt: the first-token
+                # allowance; every later one a single decode step.
+                message = await self._call(
+                    worker, call.read(),
+                    self._first_token_timeout() if is_first else self.stall.token_gap_timeout,
+                    "a message" if is_first else "the next token")
                 if message is grpc.aio.EOF:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                       f"{worker.role} worker {worker.address} ended the stream "
-                                       "without finishing the request")
+                    self.pool.mark_failed(worker, "ended a stream unfinished")
+                    raise WorkerFailure(worker, "request",
+                                        f"{worker.role} worker {worker.address} ended the "
+                                        "stream without finishing the request")
                 if is_first and worker.role == "both":
                     self.num_cached_tokens = message.num_cached_tokens
                 is_first = False
@@ -175,9 +228,21 @@ class RequestFlow:
         self.metrics.routing_decisions.labels(worker=worker.address, role=role).inc()
         return worker
 
-    async def _call(self, worker: WorkerEndpoint, awaitable):
+    def _first_token_timeout(self) -> float | None:
+        return self.stall.first_token_timeout(len(self.request.prompt_token_ids))
+
+    async def _call(self, worker: WorkerEndpoint, awaitable, stall_seconds: float | None,
+                    awaited: str):
+        """`awaitable`'s result; a stall past `stall_seconds` or a worker-side failure ejects
+        the worker and raises WorkerFailure. The worker's own verdicts on the request
+        (INVALID_ARGUMENT, OUT_OF_RANGE, ...) pass through as they are."""
         try:
-            return await awaitable
+            return await _within(stall_seconds, awaitable)
+        except asyncio.TimeoutError:
+            reason = f"sent no {awaited} within {stall_seconds:.1f} s (stall timeout)"
+            self.pool.mark_failed(worker, reason, cause="stall")
+            raise WorkerFailure(worker, "stall",
+                                f"{worker.role} worker {worker.address} {reason}") from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in _PASSED_THROUGH:
@@ -185,14 +250,14 @@ class RequestFlow:
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                         grpc.StatusCode.UNKNOWN):
                 self.pool.mark_failed(worker, f"{code.name}: {exc.details()}")
-            raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                               f"{worker.role} worker {worker.address} failed: {code.name}: "
-                               f"{exc.details()}") from exc
+            raise WorkerFailure(worker, "request",
+                                f"{worker.role} worker {worker.address} failed: {code.name}: "
+                                f"{exc.details()}") from exc
 
     def _abort_everywhere(self) -> None:
         for worker in self.reached:
             task = asyncio.ensure_future(worker.stub.Abort(
-                worker_pb2.AbortRequest(request_id=self.request.request_id),
+                worker_pb2.AbortRequest(request_id=self.request.worker_request_id),
                 timeout=ABORT_TIMEOUT_SECONDS))
             _background.add(task)
             task.add_done_callback(_finish_abort)
@@ -220,6 +285,16 @@ class RequestFlow:
                 time_per_output_token_seconds=tpot, e2e_seconds=now - arrival,
                 prefill_queue_seconds=self.prefill_queue_seconds,
                 prefill_compute_seconds=self.prefill_compute_seconds))
+
+
+async def _within(seconds: float | None, awaitable):
+    """`await awaitable`, raising asyncio.TimeoutError after `seconds` (None: no limit)."""
+    if seconds is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):  # Python 3.11+: re-arms one timer, no task per token
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _finish_abort(task: asyncio.Task) -> None:

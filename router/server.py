@@ -21,10 +21,12 @@ from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.security import BearerTokenInterceptor, TLSFiles, add_port, read_token
 from tandem.router.admission import Admission
-from tandem.router.servicer import GenerateServicer
+from tandem.router.ejection import HealthPolicy
+from tandem.router.request_flow import StallLimits
+from tandem.router.servicer import GenerateServicer, add_generate_service
 from tandem.router.tokenization import ModelFrontend
 from tandem.router.worker_pool import WorkerPool
-from tandem.v1 import generate_pb2, generate_pb2_grpc
+from tandem.v1 import generate_pb2
 
 logger = get_logger("tandem.router")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -48,7 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-concurrency", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=1024)
-    p.add_argument("--health-check-interval", type=float, default=1.0)
+    p.add_argument("--health-check-interval", type=float, default=1.0,
+                   help="seconds between health checks of each worker")
+    p.add_argument("--health-check-timeout", type=float, default=5.0,
+                   help="seconds a worker has to answer a health check; a slower answer is a "
+                        "failed check")
+    p.add_argument("--health-failure-threshold", type=int, default=3,
+                   help="failed health checks in a row that eject a worker from the pool (an "
+                        "unreachable or NOT_SERVING worker, or a failed request, ejects at once)")
+    p.add_argument("--ejection-base-seconds", type=float, default=2.0,
+                   help="an ejected worker stays out at least this long, then rejoins on a good "
+                        "check; doubled for each ejection soon after a rejoin (flapping)")
+    p.add_argument("--ejection-max-seconds", type=float, default=60.0,
+                   help="the longest ejection; a worker ejected this long after rejoining "
+                        "starts again from --ejection-base-seconds")
+    p.add_argument("--stall-timeout-seconds", type=float, default=30.0,
+                   help="a stream that gets no token for this long ends UNAVAILABLE and its "
+                        "worker is ejected (0: off)")
+    p.add_argument("--first-token-timeout-seconds", type=float, default=120.0,
+                   help="the same for the first token (and the first message from the decode "
+                        "worker), plus --first-token-timeout-per-1k-tokens (0: off)")
+    p.add_argument("--first-token-timeout-per-1k-tokens", type=float, default=60.0,
+                   help="seconds added to --first-token-timeout-seconds per 1000 prompt tokens")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
     p.add_argument("--tls-cert", help="the router's certificate (PEM); with --tls-key and "
                    "--tls-ca, mutual TLS on the public port and towards the workers")
@@ -82,19 +105,24 @@ async def serve(args: argparse.Namespace) -> None:
         raise ValueError("--auth-token-file without TLS needs --internal-token-file (the same "
                          "file the workers get): otherwise anyone reaching a worker port "
                          "bypasses the token")
+    health_policy = HealthPolicy(args.health_check_interval, args.health_check_timeout,
+                                 args.health_failure_threshold, args.ejection_base_seconds,
+                                 args.ejection_max_seconds)
+    stall = StallLimits(args.stall_timeout_seconds, args.first_token_timeout_seconds,
+                        args.first_token_timeout_per_1k_tokens)
     frontend = await asyncio.to_thread(ModelFrontend, args.model, args.max_model_len)
-    pool = WorkerPool(args.prefill, args.decode, args.both, args.health_check_interval, tls,
+    metrics = RouterMetrics(frontend.limits.name)
+    pool = WorkerPool(args.prefill, args.decode, args.both, health_policy, tls, metrics,
                       internal_token)
     await pool.start()
-    metrics = RouterMetrics(frontend.limits.name)
     servicer = GenerateServicer(frontend, pool,
-                                Admission(args.max_concurrency, args.max_queue), metrics)
+                                Admission(args.max_concurrency, args.max_queue), metrics, stall)
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     interceptors = [BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",))] if token else []
     server = grpc.aio.server(interceptors=interceptors)
-    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    add_generate_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,4 +1,9 @@
-"""The public Generate service: validate, tokenize, admit, then relay a RequestFlow."""
+"""The public Generate service: validate, tokenize, admit, then relay a RequestFlow.
+
+`add_generate_service` registers it with a request parser that turns undecodable bytes (a
+truncated message, a string field that is not UTF-8) into INVALID_ARGUMENT instead of the
+UNKNOWN that a failing deserializer would give.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,23 +11,60 @@ import time
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.router.admission import Admission
-from tandem.router.request_flow import RequestContext, RequestFlow
+from tandem.router.request_flow import RequestContext, RequestFlow, StallLimits
 from tandem.router.tokenization import ModelFrontend
 from tandem.router.validation import RequestError, check_request, resolve_params
 from tandem.router.worker_pool import WorkerPool
-from tandem.v1 import generate_pb2_grpc
+from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 logger = get_logger(__name__)
+MAX_REQUEST_ID_PREFIX_CHARS = 64
+
+
+def add_generate_service(servicer: GenerateServicer, server) -> None:
+    """generate_pb2_grpc.add_GenerateServicer_to_server, with Generate's bytes parsed by
+    `parse_generate_request`."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_generate_request,
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=generate_pb2.GetModelInfoRequest.FromString,
+            response_serializer=generate_pb2.GetModelInfoResponse.SerializeToString),
+    }
+    name = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
+def parse_generate_request(data: bytes) -> generate_pb2.GenerateRequest | RequestError:
+    """The request, or the INVALID_ARGUMENT error to answer it with."""
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid tandem.v1.GenerateRequest ({exc}): "
+                            "malformed protobuf, or a string field that is not UTF-8")
+
+
+def worker_request_id(client_request_id: str) -> str:
+    """An id no other call has: the client's id (shortened) for grepping logs, plus a UUID."""
+    unique = uuid.uuid4().hex
+    prefix = client_request_id[:MAX_REQUEST_ID_PREFIX_CHARS]
+    return f"{prefix}.{unique}" if prefix else unique
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, frontend: ModelFrontend, pool: WorkerPool, admission: Admission,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, stall: StallLimits = StallLimits()) -> None:
         self.frontend = frontend
+        self.stall = stall
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
@@ -42,8 +84,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
         try:
+            if isinstance(request, RequestError):  # undecodable bytes
+                raise request
+            worker_id = worker_request_id(request.request_id)
+            request_id = request.request_id or worker_id
             if self.is_draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
             limits = self.frontend.limits
@@ -53,17 +98,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             self.metrics.tokenization_time.observe(time.monotonic() - started)
             params = resolve_params(request, len(prompt), limits)
             async with self.admission.slot():
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       "the deadline passed while the request waited for "
+                                       "admission")
                 queue_seconds = time.monotonic() - arrival
                 self.metrics.queue_time.observe(queue_seconds)
                 self.metrics.prompt_tokens.inc(len(prompt))
                 flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
-                    request_id, prompt, params, list(request.stop.stop), arrival,
-                    queue_seconds), context, self.metrics)
+                    request_id, worker_id, prompt, params, list(request.stop.stop), arrival,
+                    queue_seconds), context, self.metrics, self.stall)
                 async for response in flow.responses():
                     yield response
         except RequestError as exc:
             self.metrics.requests_finished.labels(status=exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, exc.trailing_metadata)
         except asyncio.CancelledError:  # client cancel, disconnect or deadline
             remaining = context.time_remaining()
             status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 \

@@ -17,18 +17,26 @@ from tandem.v1 import generate_pb2
 DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+# A prompt longer than max_model_len * this many characters cannot fit: tokenizers average
+# 3-5 characters per token on prose, and only long runs of one character pack many more. The
+# bound is checked before tokenizing, which for a huge prompt costs far more than the check.
+MAX_CHARS_PER_TOKEN = 16
 # SamplingParams field -> the request field a client set.
 _FIELD_PATHS = {"max_tokens": "stop.max_tokens", "min_tokens": "stop.min_tokens",
                 "stop_token_ids": "stop.stop_token_ids", "logprobs": "logprobs"}
 
 
 class RequestError(Exception):
-    """A bad request: becomes a gRPC status with this code and message."""
+    """A bad request: becomes a gRPC status with this code, message and trailing metadata
+    (e.g. a retry hint)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailing_metadata = trailing_metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +52,8 @@ def _invalid(message: str) -> RequestError:
 
 
 def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) -> None:
-    """Everything that can be checked before tokenization."""
+    """Everything that can be checked before tokenization, sizes first: each check costs
+    time linear in what it looks at, bounded by the limits checked before it."""
     if request.model and request.model != limits.name:
         raise RequestError(grpc.StatusCode.NOT_FOUND,
                            f"model={request.model!r} is not served here (serving "
@@ -52,12 +61,18 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise _invalid("prompt: one of text, token_ids or chat is required")
-    if kind == "text" and not request.text:
-        raise _invalid("text: the prompt is empty")
+    if kind == "text":
+        if not request.text:
+            raise _invalid("text: the prompt is empty")
+        _check_num_chars("text", len(request.text), limits)
     if kind == "token_ids":
         ids = request.token_ids.ids
         if not ids:
             raise _invalid("token_ids.ids: the prompt is empty")
+        if len(ids) >= limits.max_model_len:
+            raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"token_ids.ids has {len(ids)} tokens; max_model_len="
+                               f"{limits.max_model_len} leaves no room to generate")
         for i, token in enumerate(ids):
             if not 0 <= token < limits.vocab_size:
                 raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
@@ -71,6 +86,9 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
     for i, text in enumerate(stop.stop):
         if not text:
             raise _invalid(f"stop.stop[{i}] is empty")
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise _invalid(f"stop.stop[{i}] has {len(text)} characters; at most "
+                           f"{MAX_STOP_STRING_CHARS} per stop string")
     for i, token in enumerate(stop.stop_token_ids):
         if not 0 <= token < limits.vocab_size:
             raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
@@ -85,12 +103,27 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
             raise _invalid(f"sampling.{field.name}={value} must be a finite number")
 
 
+def _check_num_chars(field: str, num_chars: int, limits: ModelLimits) -> None:
+    max_chars = limits.max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > max_chars:
+        raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                           f"{field} has {num_chars} characters; max_model_len="
+                           f"{limits.max_model_len} tokens allows at most {max_chars} "
+                           f"({MAX_CHARS_PER_TOKEN} characters per token)")
+
+
 def _check_chat(chat: generate_pb2.ChatMessages, limits: ModelLimits) -> None:
     if not limits.has_chat_template:
         raise _invalid(f"chat: model {limits.name!r} has no chat template; send text or "
                        "token_ids")
     if not chat.messages:
         raise _invalid("chat.messages: at least one message is required")
+    if len(chat.messages) > limits.max_model_len:  # every message takes a token or more
+        raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
+                           f"chat.messages has {len(chat.messages)} messages; max_model_len="
+                           f"{limits.max_model_len} tokens cannot hold them")
+    _check_num_chars("chat.messages (all contents together)",
+                     sum(len(m.content) for m in chat.messages), limits)
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise _invalid(f"chat.messages[{i}].role={message.role!r} is not one of "

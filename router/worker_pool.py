@@ -1,26 +1,33 @@
 """The router's view of its workers: addresses by role, health, load, in-flight counts.
 
-A background task, each `check_interval` seconds, re-resolves the targets (router/discovery.py)
-and checks every worker (grpc.health.v1 Check, then GetLoad). A worker that fails a check,
-reports NOT_SERVING (it is draining), or whose RPC fails with UNAVAILABLE, leaves the pool at
-once; it rejoins when a check succeeds again. A worker whose address disappears from its target
-stops receiving requests at once; its channel closes when its last request ends.
+A background task, each `check_interval_seconds`, re-resolves the targets (router/discovery.py)
+and starts a check of every worker that has none running (grpc.health.v1 Check, then GetLoad,
+each within `check_timeout_seconds`), so a slow worker never delays the others' checks. Who is
+in the routing pool follows router/ejection.py: a worker that cannot be reached, answers
+NOT_SERVING (it is draining) or fails a request leaves at once; one that is merely slow leaves
+after `failure_threshold` failed checks in a row; each comes back after its backoff, on a good
+check. An ejected worker with no request in flight gets a fresh channel after each failed check:
+gRPC's reconnect backoff on the old one (it grows to minutes) would hide a restarted worker from
+the checks long after it serves. A worker whose address disappears from its target stops
+receiving requests at once; its channel closes when its last request ends.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.logging import get_logger
+from tandem.common.metrics import RouterMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.router.discovery import Target
+from tandem.router.ejection import HealthPolicy, OutlierState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = get_logger(__name__)
-CHECK_TIMEOUT_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -30,11 +37,16 @@ class WorkerEndpoint:
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
     health_stub: health_pb2_grpc.HealthStub
-    is_healthy: bool = False
+    outlier: OutlierState
     num_in_flight: int = 0  # requests this router has on the worker now
     load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
     last_error: str = "not checked yet"
     is_removed: bool = False  # its address left its target: never picked again
+
+    @property
+    def is_healthy(self) -> bool:
+        """In the routing pool: may receive new requests."""
+        return self.outlier.is_in_pool and not self.is_removed
 
     @property
     def score(self) -> tuple[float, float]:
@@ -44,10 +56,12 @@ class WorkerEndpoint:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str],
-                 check_interval: float = 1.0, tls: TLSFiles | None = None,
+                 health: HealthPolicy = HealthPolicy(), tls: TLSFiles | None = None,
+                 metrics: RouterMetrics | None = None,
                  internal_token: str | None = None) -> None:
-        self.check_interval = check_interval
+        self.health = health
         self.tls = tls
+        self.metrics = metrics
         self.internal_token = internal_token  # sent on every call to a worker
         self.targets = {role: [Target.parse(t) for t in targets]
                         for role, targets in (("prefill", prefill), ("decode", decode),
@@ -57,6 +71,7 @@ class WorkerPool:
         self.workers: list[WorkerEndpoint] = []
         self.on_added: list = []  # callbacks(worker), e.g. to export its health gauge
         self._task: asyncio.Task | None = None
+        self._checks: dict[WorkerEndpoint, asyncio.Task] = {}  # the check running per worker
 
     async def start(self) -> None:
         await self.refresh()
@@ -65,11 +80,19 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        checks = list(self._checks.values())
+        for task in checks:
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         for worker in self.workers:
             await worker.channel.close()
 
     async def refresh(self) -> None:
         """Re-resolve every target, add new workers, retire vanished ones, check all."""
+        await self._resolve()
+        await self.check_all()
+
+    async def _resolve(self) -> None:
         wanted = set()
         for role, targets in self.targets.items():
             for target in targets:
@@ -81,20 +104,30 @@ class WorkerPool:
             if not worker.is_removed and (worker.role, worker.address) not in wanted:
                 logger.info("%s worker %s is no longer in its target; retiring it",
                             worker.role, worker.address)
-                worker.is_removed, worker.is_healthy = True, False
+                worker.is_removed = True
         for worker in [w for w in self.workers if w.is_removed and w.num_in_flight == 0]:
             self.workers.remove(worker)
+            check = self._checks.pop(worker, None)
+            if check is not None:
+                check.cancel()
             await worker.channel.close()
-        await self.check_all()
 
     def _add(self, role: str, address: str) -> WorkerEndpoint:
-        channel = open_channel(address, self.tls, self.internal_token)
-        worker = WorkerEndpoint(address, role, channel, worker_pb2_grpc.WorkerStub(channel),
-                                health_pb2_grpc.HealthStub(channel))
+        worker = WorkerEndpoint(address, role, *self._connect(address),
+                                outlier=OutlierState(self.health))
         self.workers.append(worker)
         for callback in self.on_added:
             callback(worker)
         return worker
+
+    def _connect(self, address: str):
+        channel = open_channel(address, self.tls, self.internal_token)
+        return channel, worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
+
+    async def _reconnect(self, worker: WorkerEndpoint) -> None:
+        old_channel = worker.channel
+        worker.channel, worker.stub, worker.health_stub = self._connect(worker.address)
+        await old_channel.close()
 
     @property
     def can_serve(self) -> bool:
@@ -102,41 +135,85 @@ class WorkerPool:
         return bool((self.healthy("prefill") and self.healthy("decode")) or self.healthy("both"))
 
     def healthy(self, role: str) -> list[WorkerEndpoint]:
-        return [w for w in self.workers if w.role == role and w.is_healthy and not w.is_removed]
+        return [w for w in self.workers if w.role == role and w.is_healthy]
 
     def pick(self, role: str) -> WorkerEndpoint | None:
         """The least loaded healthy worker of a role (load-aware; prefix affinity comes later)."""
         candidates = self.healthy(role)
         return min(candidates, key=lambda w: w.score) if candidates else None
 
-    def mark_failed(self, worker: WorkerEndpoint, reason: str) -> None:
-        if worker.is_healthy:
-            logger.warning("%s worker %s left the pool: %s", worker.role, worker.address, reason)
-        worker.is_healthy = False
+    def mark_failed(self, worker: WorkerEndpoint, reason: str, cause: str = "request") -> None:
+        """A request on `worker` failed or stalled: eject it at once."""
+        self._record_failure(worker, reason, cause, is_hard=True)
+
+    def _record_failure(self, worker: WorkerEndpoint, reason: str, cause: str,
+                        is_hard: bool) -> None:
         worker.last_error = reason
+        if not worker.outlier.record_failure(time.monotonic(), is_hard):
+            return
+        logger.warning("%s worker %s ejected from the pool for %.1f s (%s): %s", worker.role,
+                       worker.address, worker.outlier.backoff_seconds, cause, reason)
+        if self.metrics is not None:
+            self.metrics.worker_ejections.labels(worker=worker.address, role=worker.role,
+                                                 cause=cause).inc()
+
+    def _record_success(self, worker: WorkerEndpoint) -> None:
+        worker.last_error = ""
+        was_ejected = worker.outlier.joined_at is not None
+        if not worker.outlier.record_success(time.monotonic()):
+            return
+        logger.info("%s worker %s %s the pool", worker.role, worker.address,
+                    "rejoined" if was_ejected else "joined")
+        if was_ejected and self.metrics is not None:
+            self.metrics.worker_rejoins.labels(worker=worker.address, role=worker.role).inc()
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.workers if not w.is_removed))
+        """Checks every worker once (joining the checks already running)."""
+        await asyncio.gather(*self._start_checks(), return_exceptions=True)
+
+    def _start_checks(self) -> list[asyncio.Task]:
+        tasks = []
+        for worker in self.workers:
+            if worker.is_removed:
+                continue
+            if worker not in self._checks:
+                task = asyncio.create_task(self._check(worker))
+                self._checks[worker] = task
+                task.add_done_callback(lambda t, w=worker: self._check_done(w, t))
+            tasks.append(self._checks[worker])
+        return tasks
+
+    def _check_done(self, worker: WorkerEndpoint, task: asyncio.Task) -> None:
+        if self._checks.get(worker) is task:
+            del self._checks[worker]
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("health check of %s worker %s crashed: %r", worker.role,
+                           worker.address, task.exception())
 
     async def _check_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.check_interval)
-            await self.refresh()
+            await asyncio.sleep(self.health.check_interval_seconds)
+            await self._resolve()
+            self._start_checks()
 
     async def _check(self, worker: WorkerEndpoint) -> None:
+        timeout = self.health.check_timeout_seconds
         try:
             reply = await worker.health_stub.Check(health_pb2.HealthCheckRequest(service=""),
-                                                   timeout=CHECK_TIMEOUT_SECONDS)
+                                                   timeout=timeout)
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                raise RuntimeError(f"health is {status}")
-            worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
-                                                    timeout=CHECK_TIMEOUT_SECONDS)
-        except (grpc.aio.AioRpcError, RuntimeError) as exc:
-            reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self.mark_failed(worker, reason)
-            return
-        if not worker.is_healthy:
-            logger.info("%s worker %s joined the pool", worker.role, worker.address)
-        worker.is_healthy = True
-        worker.last_error = ""
+                self._record_failure(worker, f"health is {status}", "not_serving", True)
+            else:
+                worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
+                                                        timeout=timeout)
+                self._record_success(worker)
+                return
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            is_unreachable = code == grpc.StatusCode.UNAVAILABLE
+            self._record_failure(worker, f"health check: {code.name}: {exc.details()}",
+                                 "unreachable" if is_unreachable else "failed_checks",
+                                 is_hard=is_unreachable)
+        if not worker.is_healthy and not worker.is_removed and worker.num_in_flight == 0:
+            await self._reconnect(worker)

@@ -29,8 +29,9 @@ class GenerateStub:
     """Text generation. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (a malformed or out-of-domain field), OUT_OF_RANGE (a prompt or token id
     that does not fit the model), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (admission
-    queue full), UNAVAILABLE (no healthy worker, or the router is shutting down),
-    DEADLINE_EXCEEDED (the call's deadline passed).
+    queue full; trailing metadata `retry-after-ms` says when a retry may succeed), UNAVAILABLE
+    (no healthy worker, a worker that failed or stalled mid-stream, or the router is shutting
+    down), DEADLINE_EXCEEDED (the call's deadline passed).
     """
 
     def __init__(self, channel):
@@ -55,8 +56,9 @@ class GenerateServicer:
     """Text generation. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (a malformed or out-of-domain field), OUT_OF_RANGE (a prompt or token id
     that does not fit the model), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (admission
-    queue full), UNAVAILABLE (no healthy worker, or the router is shutting down),
-    DEADLINE_EXCEEDED (the call's deadline passed).
+    queue full; trailing metadata `retry-after-ms` says when a retry may succeed), UNAVAILABLE
+    (no healthy worker, a worker that failed or stalled mid-stream, or the router is shutting
+    down), DEADLINE_EXCEEDED (the call's deadline passed).
     """
 
     def Generate(self, request, context):
@@ -99,8 +101,9 @@ class Generate:
     """Text generation. Errors are gRPC status codes whose message names the offending field:
     INVALID_ARGUMENT (a malformed or out-of-domain field), OUT_OF_RANGE (a prompt or token id
     that does not fit the model), NOT_FOUND (an unknown model), RESOURCE_EXHAUSTED (admission
-    queue full), UNAVAILABLE (no healthy worker, or the router is shutting down),
-    DEADLINE_EXCEEDED (the call's deadline passed).
+    queue full; trailing metadata `retry-after-ms` says when a retry may succeed), UNAVAILABLE
+    (no healthy worker, a worker that failed or stalled mid-stream, or the router is shutting
+    down), DEADLINE_EXCEEDED (the call's deadline passed).
     """
 
     @staticmethod

@@ -1,38 +1,72 @@
-"""Serve a stand-in tandem.v1.Generate servicer on 127.0.0.1 from a background thread."""
+"""Serve stand-in gRPC servicers on 127.0.0.1 from a background thread."""
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.security import add_port
-from tandem.v1 import generate_pb2_grpc
+from tandem.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 @contextmanager
-def serve_generate(servicer, tls=None, interceptors=()) -> Iterator[str]:
-    """Yields the host:port of a grpc.aio server running `servicer`; stops it on exit.
-    tls: a tandem.common.security.TLSFiles for mutual TLS; interceptors: server interceptors."""
+def serve(register: Callable[[grpc.aio.Server], None], port: int = 0, tls=None,
+          interceptors=()) -> Iterator[str]:
+    """Yields the host:port of a grpc.aio server set up by `register(server)` (on `port`, or
+    a free one); stops it on exit. tls: a tandem.common.security.TLSFiles for mutual TLS;
+    interceptors: server interceptors."""
     loop, started, state = asyncio.new_event_loop(), threading.Event(), {}
 
-    async def serve():
+    async def run():
         server = grpc.aio.server(interceptors=list(interceptors))
-        generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
-        state["port"] = add_port(server, "127.0.0.1:0", tls)
+        register(server)
+        state["port"] = add_port(server, f"127.0.0.1:{port}", tls)
         state["stop"] = asyncio.Event()
         await server.start()
         started.set()
         await state["stop"].wait()
         await server.stop(0)
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread = threading.Thread(target=loop.run_until_complete, args=(run(),), daemon=True)
     thread.start()
-    assert started.wait(10), "stand-in Generate server did not start"
+    assert started.wait(10), "stand-in server did not start"
     try:
         yield f"127.0.0.1:{state['port']}"
     finally:
         loop.call_soon_threadsafe(state["stop"].set)
         thread.join(10)
+        loop.close()
+
+
+@contextmanager
+def serve_generate(servicer, tls=None, interceptors=()) -> Iterator[str]:
+    """A stand-in tandem.v1.Generate servicer (mutual TLS and interceptors as for serve)."""
+    with serve(lambda server: generate_pb2_grpc.add_GenerateServicer_to_server(
+            servicer, server), tls=tls, interceptors=interceptors) as address:
+        yield address
+
+
+class StandinWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer):
+    """Answers the router's health checks (grpc.health.v1 Check, then Worker/GetLoad) with
+    `status` after `check_delay_seconds`; set both from any thread."""
+
+    def __init__(self) -> None:
+        self.status = health_pb2.HealthCheckResponse.SERVING
+        self.check_delay_seconds = 0.0
+        self.num_checks = 0
+
+    async def Check(self, request, context):  # noqa: N802 (gRPC's naming)
+        self.num_checks += 1
+        await asyncio.sleep(self.check_delay_seconds)
+        return health_pb2.HealthCheckResponse(status=self.status)
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return worker_pb2.GetLoadResponse()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self, server)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, server)

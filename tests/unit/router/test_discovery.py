@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from tandem.router.discovery import Target
+from tandem.router.ejection import HealthPolicy
 from tandem.router.worker_pool import WorkerPool
 
 
@@ -29,7 +30,8 @@ def test_pool_adds_and_retires_workers_as_the_target_changes(tmp_path):
     listing.write_text("127.0.0.1:1\n")
 
     async def scenario():
-        pool = WorkerPool(["127.0.0.1:9"], [f"file://{listing}"], [], check_interval=60)
+        pool = WorkerPool(["127.0.0.1:9"], [f"file://{listing}"], [],
+                          HealthPolicy(check_interval_seconds=60))
         added = []
         pool.on_added.append(added.append)
         await pool.refresh()

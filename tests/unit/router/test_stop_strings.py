@@ -125,3 +125,22 @@ def test_emitted_text_is_the_text_before_the_first_stop(stops, deltas):
     if matched is None:
         emitted += matcher.flush()
     assert (emitted, matched) == (expected_text, expected_stop)
+
+
+def test_long_stop_strings_take_linear_memory():
+    """A stop string of n characters costs O(n) memory, not the O(n^2) of all its prefixes."""
+    import tracemalloc
+
+    num_chars = 20_000
+    stop = "a" * (num_chars - 1) + "b"
+    tracemalloc.start()
+    try:
+        matcher = StopStringMatcher([stop, "ab" * (num_chars // 2)])
+        emitted = [matcher.feed("a" * 100)[0] for _ in range(2 * num_chars // 100)]
+        text, matched = matcher.feed("b tail")
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Everything but the last n - 1 "a"s (a possible start of the stop string) goes out.
+    assert "".join(emitted) == "a" * (num_chars + 1) and (text, matched) == ("", stop)
+    assert peak_bytes < 20 * num_chars * 8  # a few lists and strings of n entries
