@@ -82,9 +82,12 @@ def _add_up(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=kind, metavar=kind.__name__.upper(),
                            help=f"passed to the {to}")
     security = p.add_argument_group(
-        "security", "Every process gets a fresh random internal token (a 0600 file in a "
-        "private temporary folder, removed on exit), so the workers accept calls only from the "
-        "router and each other.")
+        "security", "Every process gets one internal token, so the workers accept calls only "
+        "from the router and each other: the file of --internal-token-file, or else a fresh "
+        "random token (a 0600 file in a private temporary folder, removed on exit).")
+    security.add_argument("--internal-token-file", metavar="FILE",
+                          help="use the token in FILE as the internal token instead of a fresh "
+                               "one (for tools that call the workers directly)")
     security.add_argument("--auth-token-file", metavar="FILE",
                           help="the router requires 'authorization: Bearer <token in FILE>'")
     security.add_argument("--tls-cert", metavar="PEM",
@@ -158,18 +161,20 @@ def run_up(args: argparse.Namespace) -> int:
     if not 0 < args.gpu_memory_utilization <= 1:
         return _error(f"--gpu-memory-utilization {args.gpu_memory_utilization:g} must be in "
                       "(0, 1]")
-    for flag, _ in TLS_FLAGS[:3] + PUBLIC_AUTH_FLAGS:  # absolute in argv and in the hint
-        name = flag[2:].replace("-", "_")
+    for name in [flag[2:].replace("-", "_") for flag, _ in TLS_FLAGS[:3] + PUBLIC_AUTH_FLAGS] \
+            + ["internal_token_file"]:  # absolute in argv and in the hint
         if getattr(args, name):
             setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
     try:
         tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
         read_token(args.auth_token_file)
+        read_token(args.internal_token_file, "--internal-token-file")
     except ValueError as exc:
         return _error(str(exc))
     num_workers = num_prefill + num_decode + args.both
     with tempfile.TemporaryDirectory(prefix="tandem-up-") as state_dir:
-        internal = ["--internal-token-file", write_internal_token(Path(state_dir))]
+        internal = ["--internal-token-file", args.internal_token_file
+                    or write_internal_token(Path(state_dir))]
         common = _passed_flags(args, TLS_FLAGS) + internal + [
             "--shutdown-grace-seconds", f"{args.grace:g}"]
         groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,

@@ -33,7 +33,8 @@ def test_generate_and_bench_reach_a_secured_tandem_up(checkpoint, tmp_path):
     token_file.write_text("public-token\n")
     tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
     up, processes = start_up(["--model", str(checkpoint("llama").path), "--dtype", "float32",
-                              "--auth-token-file", str(token_file), *tls], tmp_path)
+                              "--auth-token-file", str(token_file), *tls], tmp_path,
+                             give_internal_token=False)
     children = child_pids(up.pid)
     try:
         assert set(processes) == {"router", "prefill-0", "decode-0"}, \

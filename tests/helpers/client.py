@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.common.security import INTERNAL_TOKEN_KEY
 from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -48,10 +49,16 @@ def generate(address: str, message: generate_pb2.GenerateRequest,
     return result
 
 
+# The internal token of the stacks `processes.start_up` starts; workers started without one
+# ignore it.
+STACK_INTERNAL_TOKEN = "tandem-e2e-internal-token"
+
+
 def worker_load(address: str) -> worker_pb2.GetLoadResponse:
     with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(),
-                                                           timeout=5)
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(
+            worker_pb2.GetLoadRequest(), timeout=5,
+            metadata=[(INTERNAL_TOKEN_KEY, STACK_INTERNAL_TOKEN)])
 
 
 # Every RPC a worker serves, with a request message of its type.

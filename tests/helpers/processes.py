@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.client import STACK_INTERNAL_TOKEN
 
 STARTUP_TIMEOUT_SECONDS = 180
 
@@ -150,11 +151,17 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     return stack
 
 
-def start_up(args: list[str], log_dir: Path) -> tuple[subprocess.Popen, dict[str, tuple]]:
+def start_up(args: list[str], log_dir: Path, give_internal_token: bool = True
+             ) -> tuple[subprocess.Popen, dict[str, tuple]]:
     """`tandem up ARGS --port P` in its own session; returns once it printed its table: the
     process and {name: (grpc address, metrics address)} for the router and every worker.
-    Stop it with SIGTERM (it stops its children)."""
+    Stop it with SIGTERM (it stops its children). give_internal_token: pass the internal token
+    helpers.client.worker_load sends (else `tandem up` makes its own)."""
     port = free_port()
+    if give_internal_token:  # so helpers.client.worker_load may call the workers
+        token_file = log_dir / "internal-token"
+        token_file.write_text(STACK_INTERNAL_TOKEN + "\n")
+        args = [*args, "--internal-token-file", str(token_file)]
     up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", *args, "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=open(log_dir / "up.log", "w"),
                           text=True, env=_env(), start_new_session=True)
