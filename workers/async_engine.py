@@ -75,11 +75,19 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the engine thread. Cancelling the caller before the engine thread
+        takes fn drops it: use `call_shielded` or `submit` for what must happen."""
         return await asyncio.wrap_future(self.submit(fn))
+
+    async def call_shielded(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Like call, but fn runs even if the caller is cancelled while waiting (the caller
+        then gets CancelledError and the result is dropped)."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
         """Queues fn for the engine thread now (commands run in the order queued), for a
-        caller that cannot await: a cancelled coroutine's clean-up."""
+        caller that cannot await: a cancelled coroutine's clean-up. Nothing on the event
+        loop can cancel the returned future, so fn always runs."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return future

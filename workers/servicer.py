@@ -1,7 +1,10 @@
 """The Worker gRPC service: converts between protobuf and engine types, nothing more.
 
 Every request runs as one handler task; aborting a request cancels that task first, so no
-coroutine writes into KV blocks after the engine has freed them.
+coroutine writes into KV blocks after the engine has freed them. A handler's clean-up queues
+the engine-side abort without awaiting it (`_abort_soon`): a handler can be cancelled several
+times (its deadline, the client going away, an Abort RPC), and a cancelled await would drop
+the abort and leave the request generating to max_tokens.
 """
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._require_role(context, "prefill")
         params = await self._params(request.params, context)
         request_id = request.request_id
-        stream = self._begin(request_id)
+        stream = await self._begin(request_id, context)
         try:
             await self._add(context, list(request.prompt_token_ids), params, request_id,
                             pin_after_prefill=request.keep_kv)
@@ -95,7 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                          len(request.prompt_token_ids), event))
             return response
         except asyncio.CancelledError:
-            await self.engine.call(lambda e: e.abort(request_id))
+            self._abort_soon(request_id)
             raise
         finally:
             self._end(request_id)
@@ -106,7 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id
         prompt = list(request.prompt_token_ids)
         generated = list(request.generated_token_ids)
-        stream = self._begin(request_id)
+        stream = await self._begin(request_id, context)
         finished = False
         try:
             pull_seconds = 0.0
@@ -134,7 +137,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
         finally:
             if not finished:  # cancelled, failed, or the client went away
-                await self.engine.call(lambda e: e.abort(request_id))
+                self._abort_soon(request_id)
             self._end(request_id)
 
     async def Abort(self, request, context):
@@ -142,7 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if task is not None:
             task.cancel()  # its handler aborts the request once it stops touching KV
             return worker_pb2.AbortResponse(found=True)
-        found = await self.engine.call(lambda e: e.abort(request.request_id))
+        found = await self.engine.call_shielded(lambda e: e.abort(request.request_id))
         return worker_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
@@ -161,9 +164,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._releases.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._releases.discard)
 
-    def _begin(self, request_id: str) -> asyncio.Queue:
+    async def _begin(self, request_id: str, context) -> asyncio.Queue:
+        """Register this handler as the request's; ALREADY_EXISTS (touching nothing) when
+        another live handler owns the id, whose stream and clean-up must stay its own."""
+        if request_id in self._tasks:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id {request_id!r} is already in use")
         self._tasks[request_id] = asyncio.current_task()
         return self.engine.open_stream(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue the request's abort for the engine thread (after every command queued before
+        it, such as its add). Not awaited, so no cancellation can drop it."""
+        self.engine.submit(lambda e: e.abort(request_id))
 
     def _end(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
@@ -249,7 +262,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            await self.engine.call(lambda e: e.abort(request.request_id))
+            self._abort_soon(request.request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"KV pull from {handle.source_address} failed: {detail}")
         seconds = time.monotonic() - started

@@ -1,0 +1,147 @@
+"""Worker-side reliability on a real worker process: cancelled, deadlined and aborted requests
+stop generating and free their blocks; deadlines reach the engine; SIGTERM ends the process;
+health answers while the engine is saturated."""
+from __future__ import annotations
+
+import threading
+import time
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from helpers.client import worker_load
+from helpers.processes import free_port, start, stop, wait_serving
+
+from tandem import SamplingParams
+from tandem.common.convert import engine_params_to_proto
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+# ~400 tokens per stream keeps the engine stepping for many seconds on CPU.
+BUSY = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def start_worker(model, log_dir, role: str = "both", extra: list[str] = ()):
+    """A worker process with its /metrics endpoint; returns (process, metrics address)."""
+    port, metrics_port = free_port(), free_port()
+    worker = start(f"{role}-worker", ["tandem.workers.server", "--role", role, "--model",
+                                      str(model), "--port", str(port), "--dtype", "float32",
+                                      "--metrics-port", str(metrics_port),
+                                      "--metrics-host", "127.0.0.1", *extra], port, log_dir)
+    try:
+        wait_serving([worker])
+    except Exception:
+        stop([worker])
+        raise
+    return worker, f"127.0.0.1:{metrics_port}"
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+def is_idle(address: str) -> bool:
+    load = worker_load(address)
+    return load.num_running == 0 and load.num_waiting == 0 and load.kv_usage == 0
+
+
+def finished_by_status(metrics_address: str) -> dict[str, float]:
+    """The worker's tandem:requests_finished counter, by status label."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {sample.labels["status"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "tandem:requests_finished"
+            for sample in family.samples if sample.name.endswith("_total")}
+
+
+def decode_request(request_id: str, prompt: list[int], params: SamplingParams = BUSY):
+    return worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                    params=engine_params_to_proto(params))
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoint, tmp_path_factory):
+    process, metrics = start_worker(checkpoint("llama").path,
+                                    tmp_path_factory.mktemp("worker_logs"))
+    process.metrics_address = metrics
+    yield process
+    stop([process])
+
+
+def read_all(call, outcomes: list) -> None:
+    try:
+        for _ in call:
+            pass
+        outcomes.append(grpc.StatusCode.OK)
+    except grpc.RpcError as exc:
+        outcomes.append(exc.code())
+
+
+@pytest.mark.slow
+def test_cancelled_deadlined_and_aborted_streams_stop_generating(worker):
+    """As a router ends a stream (its deadline passes, or the client goes away, and an Abort
+    follows at once), the handler is cancelled twice while the engine thread is busy stepping:
+    every request must still leave the engine. Nothing runs and no KV block is held a few
+    seconds later, long before max_tokens would be reached."""
+    num_streams = 32
+    deadline_seconds = 2.0
+    outcomes: list = []
+    before = finished_by_status(worker.metrics_address)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        started = time.monotonic()
+        calls, threads = [], []
+        for i in range(num_streams):
+            timeout = deadline_seconds if i % 2 else 60
+            calls.append(stub.Decode(decode_request(f"r{i}", [1 + i % 7] * (20 + i)),
+                                     timeout=timeout))
+            threads.append(threading.Thread(target=read_all, args=(calls[-1], outcomes),
+                                            daemon=True))
+            threads[-1].start()
+        wait_until(lambda: worker_load(worker.address).num_running > 0, timeout=20)
+        # Odd streams: Aborts follow their deadline, as a router's do.
+        time.sleep(max(0.0, started + deadline_seconds - time.monotonic()))
+        aborts = [stub.Abort.future(worker_pb2.AbortRequest(request_id=f"r{i}"), timeout=10)
+                  for i in range(1, num_streams, 2)]
+        # Even streams: the client cancels, then aborts at once.
+        for i in range(0, num_streams, 2):
+            calls[i].cancel()
+            aborts.append(stub.Abort.future(worker_pb2.AbortRequest(request_id=f"r{i}"),
+                                            timeout=10))
+        for abort in aborts:
+            abort.result()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert grpc.StatusCode.OK not in outcomes and len(outcomes) == num_streams
+
+    def num_ended(status: str) -> float:
+        return finished_by_status(worker.metrics_address).get(status, 0) - before.get(status, 0)
+
+    wait_until(lambda: is_idle(worker.address)
+               and num_ended("abort") + num_ended("length") == num_streams, timeout=60)
+    # A leaked request runs on to max_tokens and ends "length" instead of "abort".
+    assert num_ended("length") == 0
+
+
+def test_a_second_stream_with_a_live_request_id_is_refused_and_leaves_the_first_alone(worker):
+    """A duplicate id gets ALREADY_EXISTS; the first stream keeps its events and is not
+    aborted by the second handler's clean-up."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        first = stub.Decode(decode_request("dup", [5] * 20, params), timeout=60)
+        tokens = list(next(first).token_ids)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Decode(decode_request("dup", [6] * 20, params), timeout=60))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "'dup'" in info.value.details()
+        for message in first:
+            tokens += message.token_ids
+        assert len(tokens) == 200
