@@ -84,7 +84,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stream = await self._begin(request_id, context)
         try:
             await self._add(context, list(request.prompt_token_ids), params, request_id,
-                            pin_after_prefill=request.keep_kv)
+                            pin_after_prefill=request.keep_kv, deadline=_deadline(context))
             event = await self._next_event(stream, context)
             response = worker_pb2.PrefillResponse(
                 token_id=event.token_id, finish_reason=finish_reason_to_proto(
@@ -120,7 +120,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     params = dataclasses.replace(
                         params, max_tokens=params.max_tokens - len(generated),
                         min_tokens=max(0, params.min_tokens - len(generated)))
-                await self._add(context, prompt + generated, params, request_id)
+                await self._add(context, prompt + generated, params, request_id,
+                                deadline=_deadline(context))
             is_first = True
             while not finished:
                 events = await self._next_events(stream, context)
@@ -277,10 +278,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _reserve(self, context, prompt, generated, params, request_id):
         deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS
+        call_deadline = _deadline(context)
         while True:
             try:
-                seq = await self.engine.call(
-                    lambda e: e.reserve_prefilled(prompt, generated, params, request_id))
+                seq = await self.engine.call(lambda e: e.reserve_prefilled(
+                    prompt, generated, params, request_id, deadline=call_deadline))
             except OutOfRangeError as exc:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
             if seq is not None:
@@ -290,3 +292,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                     f"no free KV blocks for {len(prompt)} tokens within "
                                     f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
             await asyncio.sleep(0.01)
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline on this process's time.monotonic() clock (None: it has none), for
+    the engine to drop the request once nobody waits for it."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining

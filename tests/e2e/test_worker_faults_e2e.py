@@ -124,8 +124,9 @@ def test_cancelled_deadlined_and_aborted_streams_stop_generating(worker):
     def num_ended(status: str) -> float:
         return finished_by_status(worker.metrics_address).get(status, 0) - before.get(status, 0)
 
-    wait_until(lambda: is_idle(worker.address)
-               and num_ended("abort") + num_ended("length") == num_streams, timeout=60)
+    wait_until(lambda: is_idle(worker.address) and sum(
+        num_ended(status) for status in ("abort", "deadline", "length")) == num_streams,
+        timeout=60)
     # A leaked request runs on to max_tokens and ends "length" instead of "abort".
     assert num_ended("length") == 0
 
