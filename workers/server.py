@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -261,7 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad flags or a bad checkpoint: say which, exit non-zero
         print(f"tandem worker: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    _exit_after_clean_stop()
+
+
+def _exit_after_clean_stop() -> NoReturn:
+    """Exit 0 now that serve() has stopped everything it started (the gRPC server, peer
+    channels, the engine thread, follower ranks). Interpreter teardown has nothing left to
+    release but walks every object and finalizes torch and gRPC's extension modules, which
+    takes seconds on a loaded CPU box, and blocks outright if an extension waits on a thread
+    that is gone; orchestrators (`tandem up`, Kubernetes) would SIGKILL the worker first."""
+    logging.shutdown()  # flush every log handler
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

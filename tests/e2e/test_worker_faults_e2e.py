@@ -3,6 +3,7 @@ stop generating and free their blocks; deadlines reach the engine; SIGTERM ends 
 health answers while the engine is saturated."""
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -146,3 +147,31 @@ def test_a_second_stream_with_a_live_request_id_is_refused_and_leaves_the_first_
         for message in first:
             tokens += message.token_ids
         assert len(tokens) == 200
+
+
+@pytest.mark.slow
+def test_sigterm_with_streams_in_flight_ends_the_worker_with_code_0(checkpoint, tmp_path):
+    """SIGTERM drains in-flight streams (within --shutdown-grace-seconds) and the process
+    itself exits 0 soon after, not only its server: `tandem up` and Kubernetes wait for the
+    process and SIGKILL it after their own grace."""
+    grace = 2.0
+    worker, _ = start_worker(checkpoint("llama").path, tmp_path,
+                             extra=["--shutdown-grace-seconds", str(grace)])
+    outcomes: list = []
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            threads = [threading.Thread(target=read_all, daemon=True, args=(stub.Decode(
+                decode_request(f"s{i}", [3 + i] * 20), timeout=60), outcomes))
+                for i in range(8)]
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: worker_load(worker.address).num_running > 0, timeout=20)
+            worker.popen.send_signal(signal.SIGTERM)
+            assert worker.popen.wait(timeout=grace + 10) == 0, worker.log_tail()
+            for thread in threads:
+                thread.join(timeout=10)
+        assert len(outcomes) == 8  # every stream ended (finished or cut at the grace)
+        assert "stopped" in worker.log_tail(5)
+    finally:
+        stop([worker])
