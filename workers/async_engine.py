@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -62,6 +63,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # time.monotonic() when the engine thread last finished a loop turn (a step, a batch
+        # of commands, or an idle wait); a plain float, written by that thread only.
+        self._last_beat = time.monotonic()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -84,6 +88,15 @@ class AsyncEngine:
         then gets CancelledError and the result is dropped)."""
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
 
+    def seconds_without_progress(self) -> float:
+        """Seconds since the engine thread last finished a step, a batch of commands or an
+        idle wait: it stays small while the engine works or idles, and grows only while one
+        step or command runs (or the thread is stuck). Infinite once the thread has died."""
+        if self._thread is not None and not self._thread.is_alive() \
+                and not self._stopping.is_set():
+            return math.inf
+        return time.monotonic() - self._last_beat
+
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
         """Queues fn for the engine thread now (commands run in the order queued), for a
         caller that cannot await: a cancelled coroutine's clean-up. Nothing on the event
@@ -105,7 +118,9 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
+            self._last_beat = time.monotonic()
             self._run_commands(block=not engine.has_unfinished)
+            self._last_beat = time.monotonic()
             expired = engine.expire_leases(time.monotonic())
             if expired:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
