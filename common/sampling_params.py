@@ -19,11 +19,12 @@ MAX_REPETITION_PENALTY = 100.0
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 (or below MIN_RANDOM_TEMPERATURE, or top_k 1) is greedy. top_k 0 disables top-k; top_p 1 and min_p 0 disable
-    theirs. Penalties follow the usual definitions: repetition_penalty divides positive logits
-    (multiplies negative ones) of every token seen in prompt or output; presence and frequency
-    penalties subtract from logits of tokens in the output. A request with a seed draws from its
-    own generator, so it gets the same tokens whatever else shares its batch.
+    temperature 0 (or below MIN_RANDOM_TEMPERATURE, or top_k 1) is greedy. top_k 0 disables
+    top-k; top_p 1 and min_p 0 disable theirs. Penalties follow the usual definitions:
+    repetition_penalty (in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]) divides positive
+    logits (multiplies negative ones) of every token seen in prompt or output; presence and
+    frequency penalties subtract from logits of tokens in the output. A request with a seed draws
+    from its own generator, so it gets the same tokens whatever else shares its batch.
     """
 
     max_tokens: int = 16

@@ -1,19 +1,18 @@
 """Worker-side reliability on a real worker process: cancelled, deadlined and aborted requests
-stop generating and free their blocks; deadlines reach the engine; SIGTERM ends the process;
-health answers while the engine is saturated."""
+stop generating and free their blocks, a duplicate request id leaves the live request alone,
+and SIGTERM ends the process."""
 from __future__ import annotations
 
 import signal
 import threading
 import time
-
 import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from helpers.client import worker_load
 from helpers.processes import free_port, start, stop, wait_serving
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import SamplingParams
 from tandem.common.convert import engine_params_to_proto
@@ -38,13 +37,12 @@ def start_worker(model, log_dir, role: str = "both", extra: list[str] = ()):
     return worker, f"127.0.0.1:{metrics_port}"
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> None:
     started = time.monotonic()
     while not predicate():
         if time.monotonic() - started > timeout:
             pytest.fail(f"condition not met within {timeout} s")
         time.sleep(interval)
-    return time.monotonic() - started
 
 
 def is_idle(address: str) -> bool:
