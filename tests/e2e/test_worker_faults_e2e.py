@@ -1,6 +1,6 @@
 """Worker-side reliability on a real worker process: cancelled, deadlined and aborted requests
 stop generating and free their blocks, a duplicate request id leaves the live request alone,
-and SIGTERM ends the process."""
+and SIGTERM ends the process (alone and under `tandem up`)."""
 from __future__ import annotations
 
 import signal
@@ -10,8 +10,9 @@ import urllib.request
 
 import grpc
 import pytest
-from helpers.client import worker_load
-from helpers.processes import free_port, start, stop, wait_serving
+from helpers.client import generate, request, worker_load
+from helpers.processes import (child_pids, free_port, start, start_up, stop, wait_gone,
+                               wait_serving)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import SamplingParams
@@ -173,3 +174,25 @@ def test_sigterm_with_streams_in_flight_ends_the_worker_with_code_0(checkpoint, 
         assert "stopped" in worker.log_tail(5)
     finally:
         stop([worker])
+
+
+@pytest.mark.slow
+def test_sigterm_to_tandem_up_stops_every_worker_without_killing_it(checkpoint, tmp_path):
+    """`tandem up --prefill 1 --decode 2` after traffic (streams cut by their deadline
+    included): SIGTERM stops the router and every worker within the grace, none SIGKILLed."""
+    up, processes = start_up(["--model", str(checkpoint("llama").path), "--dtype", "float32",
+                              "--prefill", "1", "--decode", "2"], tmp_path)
+    children = child_pids(up.pid)
+    try:
+        router = processes["router"][0]
+        for i in range(3):
+            generate(router, request([3 + i] * 20, max_tokens=16))
+        for i in range(4):
+            with pytest.raises(grpc.RpcError):
+                generate(router, request([9 + i] * 20, max_tokens=450), timeout=0.3)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    log = (tmp_path / "up.log").read_text()
+    assert "did not stop" not in log, log[-3000:]
+    wait_gone(children, timeout=10)
