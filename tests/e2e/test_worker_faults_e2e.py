@@ -131,6 +131,50 @@ def test_cancelled_deadlined_and_aborted_streams_stop_generating(worker):
     assert num_ended("length") == 0
 
 
+@pytest.mark.slow
+def test_deadlined_and_aborted_prefills_leave_nothing_pinned(checkpoint, tmp_path):
+    """Prefills (small chunks keep the engine busy for a while) whose deadline passes and
+    that are then aborted, as a router does: none of them is left to finish and pin KV."""
+    prefill, metrics = start_worker(checkpoint("llama").path, tmp_path, role="prefill",
+                                    extra=["--max-num-batched-tokens", "8"])
+    num_prefills = 24
+    try:
+        before = finished_by_status(metrics)
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            calls = [stub.Prefill.future(worker_pb2.PrefillRequest(
+                request_id=f"p{i}", prompt_token_ids=[1 + (i + j) % 300 for j in range(480)],
+                params=engine_params_to_proto(BUSY), keep_kv=True), timeout=0.3)
+                for i in range(num_prefills)]
+            codes = []
+            aborts = []
+            for i, call in enumerate(calls):  # as each ends, a router aborts a failed one
+                codes.append(call.exception().code() if call.exception()
+                             else grpc.StatusCode.OK)
+                if codes[-1] != grpc.StatusCode.OK:
+                    aborts.append(stub.Abort.future(worker_pb2.AbortRequest(
+                        request_id=f"p{i}"), timeout=10))
+            for abort in aborts:
+                abort.result()
+        num_done = codes.count(grpc.StatusCode.OK)  # finished in time: pinned, legitimately
+        assert num_done < num_prefills // 2, codes
+
+        def num_ended() -> float:
+            after = finished_by_status(metrics)
+            return sum(after.get(s, 0) - before.get(s, 0) for s in after)
+
+        def is_quiet() -> bool:
+            load = worker_load(prefill.address)
+            return load.num_running == 0 and load.num_waiting == 0
+        wait_until(lambda: is_quiet() and num_ended() == num_prefills, timeout=60)
+        # A prefill whose abort was lost runs on and pins its KV like a finished one.
+        assert finished_by_status(metrics).get("pinned", 0) - before.get("pinned", 0) \
+            == num_done
+        assert worker_load(prefill.address).num_pinned == num_done
+    finally:
+        stop([prefill])
+
+
 def test_a_second_stream_with_a_live_request_id_is_refused_and_leaves_the_first_alone(worker):
     """A duplicate id gets ALREADY_EXISTS; the first stream keeps its events and is not
     aborted by the second handler's clean-up."""
