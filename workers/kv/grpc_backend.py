@@ -102,8 +102,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             lease_seconds=lease_seconds)
 
     async def ReleaseKV(self, request, context):
-        # Shielded: a release whose caller gave up still frees the blocks now.
-        found = await self.engine.call_shielded(lambda e: e.release(request.handle_id))
+        found = await self.engine.call(lambda e: e.release(request.handle_id))
         return worker_pb2.ReleaseKVResponse(found=found)
 
 
