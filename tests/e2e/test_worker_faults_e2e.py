@@ -10,6 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.client import generate, request, worker_load
 from helpers.processes import (child_pids, free_port, start, start_up, stop, wait_gone,
                                wait_serving)
@@ -106,6 +107,9 @@ def test_cancelled_deadlined_and_aborted_streams_stop_generating(worker):
                                             daemon=True))
             threads[-1].start()
         wait_until(lambda: worker_load(worker.address).num_running > 0, timeout=20)
+        health = health_pb2_grpc.HealthStub(channel)  # answers while the engine is busy
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+            health_pb2.HealthCheckResponse.SERVING
         # Odd streams: Aborts follow their deadline, as a router's do.
         time.sleep(max(0.0, started + deadline_seconds - time.monotonic()))
         aborts = [stub.Abort.future(worker_pb2.AbortRequest(request_id=f"r{i}"), timeout=10)
