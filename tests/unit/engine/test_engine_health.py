@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from helpers.processes import free_port
 
@@ -17,10 +18,14 @@ from tandem.workers.engine_health import NOT_SERVING, SERVING, EngineHealthWatch
 STALL_SECONDS = 0.5
 
 
-def watch_health(checkpoint, during, stall_seconds: float = STALL_SECONDS) -> list[int]:
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return LLM(checkpoint("llama").path, dtype="float32").engine
+
+
+def watch_health(engine, during, stall_seconds: float = STALL_SECONDS) -> list[int]:
     """Starts the engine thread, a health server and its watch, runs during(async_engine),
     and returns the distinct statuses a client saw, in order, while it ran and 1 s after."""
-    engine = LLM(checkpoint("llama").path, dtype="float32").engine
 
     async def main() -> list[int]:
         async_engine = AsyncEngine(engine)
@@ -57,14 +62,14 @@ def watch_health(checkpoint, during, stall_seconds: float = STALL_SECONDS) -> li
     return asyncio.run(main())
 
 
-def test_a_stuck_engine_thread_turns_health_not_serving_until_it_progresses(checkpoint):
+def test_a_stuck_engine_thread_turns_health_not_serving_until_it_progresses(engine):
     async def block_the_engine_thread(async_engine):
         await async_engine.call(lambda e: time.sleep(4 * STALL_SECONDS))
 
-    assert watch_health(checkpoint, block_the_engine_thread) == [SERVING, NOT_SERVING, SERVING]
+    assert watch_health(engine, block_the_engine_thread) == [SERVING, NOT_SERVING, SERVING]
 
 
-def test_a_busy_engine_that_keeps_stepping_stays_serving(checkpoint):
+def test_a_busy_engine_that_keeps_stepping_stays_serving(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def generate(async_engine):
@@ -76,4 +81,4 @@ def test_a_busy_engine_that_keeps_stepping_stays_serving(checkpoint):
                 pass
 
     # A limit far above a tiny model's step, so a loaded CI box cannot trip it.
-    assert watch_health(checkpoint, generate, stall_seconds=2.0) == [SERVING]
+    assert watch_health(engine, generate, stall_seconds=2.0) == [SERVING]
