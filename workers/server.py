@@ -280,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_after_clean_stop() -> NoReturn:
     """Exit 0 now that serve() has stopped everything it started (the gRPC server, peer
     channels, the engine thread, follower ranks). Interpreter teardown has nothing left to
-    release but walks every object and finalizes torch and gRPC's extension modules, which
-    takes seconds on a loaded CPU box, and blocks outright if an extension waits on a thread
-    that is gone; orchestrators (`tandem up`, Kubernetes) would SIGKILL the worker first."""
+    release, yet it walks every object and finalizes torch's and gRPC's extension modules,
+    which is slow on a loaded CPU box; orchestrators (`tandem up`, Kubernetes) SIGKILL a
+    worker that outlives their grace."""
     logging.shutdown()  # flush every log handler
     sys.stdout.flush()
     sys.stderr.flush()
