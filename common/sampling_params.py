@@ -6,17 +6,25 @@ from dataclasses import dataclass, field
 
 # Top-N logprobs a request may ask for; more would make every step's output large.
 MAX_LOGPROBS = 20
+# Below this temperature a request is greedy: dividing fp32 logit gaps by it overflows, and
+# the distribution it asks for is the argmax anyway.
+MIN_RANDOM_TEMPERATURE = 1e-5
+# repetition_penalty scales a seen token's logit by at most 100x either way; tinier values
+# overflow fp32 logits to inf and larger ones only repeat the same always/never outcome.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 (or top_k 1) is greedy. top_k 0 disables top-k; top_p 1 and min_p 0 disable
-    theirs. Penalties follow the usual definitions: repetition_penalty divides positive logits
-    (multiplies negative ones) of every token seen in prompt or output; presence and frequency
-    penalties subtract from logits of tokens in the output. A request with a seed draws from its
-    own generator, so it gets the same tokens whatever else shares its batch.
+    temperature 0 (or below MIN_RANDOM_TEMPERATURE, or top_k 1) is greedy. top_k 0 disables
+    top-k; top_p 1 and min_p 0 disable theirs. Penalties follow the usual definitions:
+    repetition_penalty (in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]) divides positive
+    logits (multiplies negative ones) of every token seen in prompt or output; presence and
+    frequency penalties subtract from logits of tokens in the output. A request with a seed draws
+    from its own generator, so it gets the same tokens whatever else shares its batch.
     """
 
     max_tokens: int = 16
@@ -47,8 +55,9 @@ class SamplingParams:
                "must be >= 0 (0 or -1 disables it)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", self.repetition_penalty,
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty,
                "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty,
@@ -62,7 +71,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_RANDOM_TEMPERATURE or self.top_k == 1
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -63,6 +64,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # time.monotonic() when the engine thread last finished a loop turn (a step, a batch
+        # of commands, or an idle wait); a plain float, written by that thread only.
+        self._last_beat = time.monotonic()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -76,11 +80,28 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 10)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """fn(engine) on the engine thread. Cancelling the caller before the engine thread
+        takes fn drops it: use `call_shielded` or `submit` for what must happen."""
         return await asyncio.wrap_future(self.submit(fn))
+
+    async def call_shielded(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Like call, but fn runs even if the caller is cancelled while waiting (the caller
+        then gets CancelledError and the result is dropped)."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+
+    def seconds_without_progress(self) -> float:
+        """Seconds since the engine thread last finished a step, a batch of commands or an
+        idle wait: it stays small while the engine works or idles, and grows only while one
+        step or command runs (or the thread is stuck). Infinite once the thread has died."""
+        if self._thread is not None and not self._thread.is_alive() \
+                and not self._stopping.is_set():
+            return math.inf
+        return time.monotonic() - self._last_beat
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
         """Queues fn for the engine thread now (commands run in the order queued), for a
-        caller that cannot await: a cancelled coroutine's clean-up."""
+        caller that cannot await: a cancelled coroutine's clean-up. Nothing on the event
+        loop can cancel the returned future, so fn always runs."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
         return future
@@ -98,7 +119,9 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
+            self._last_beat = time.monotonic()
             self._run_commands(block=not engine.has_unfinished)
+            self._last_beat = time.monotonic()
             expired = engine.expire_leases(time.monotonic())
             if expired:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +27,7 @@ from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.warm_up import warm_up
+from tandem.workers.engine_health import EngineHealthWatch
 from tandem.workers.kv.block_access import kv_block_access
 from tandem.workers.kv.grpc_backend import KVTransferServicer
 from tandem.workers.kv.layout import KVLayout
@@ -89,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tensor-parallel-size N: partition the experts over the N "
                         "ranks instead of slicing every expert")
     p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    p.add_argument("--max-step-stall-seconds", type=float, default=300.0,
+                   help="health turns NOT_SERVING while one engine step or command has run "
+                        "this long (or the engine thread died). A step is at most one "
+                        "--max-num-batched-tokens prefill chunk; on CPU the last 2048-token "
+                        "chunk of an 8k prompt takes tens of seconds even for a 135M model, "
+                        "hence the default; GPU steps take well under a second")
     p.add_argument("--drain-delay-seconds", type=float, default=0.0,
                    help="after SIGTERM, report NOT_SERVING this long (still serving calls) "
                         "before refusing new ones, so routers stop sending first")
@@ -212,6 +221,9 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await server.start()
     for name in ("", *SERVICE_NAMES):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    engine_watch = EngineHealthWatch(async_engine, health_servicer, ("", *SERVICE_NAMES),
+                                     args.max_step_stall_seconds)
+    engine_watch.start()
     logger.info("%s worker serving %s on %s (%d Triton compiles at startup)", args.role,
                 args.model, address, compiles.num_compiles)
     compiles.mark_serving()
@@ -227,6 +239,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await stop.wait()
     logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
                 args.shutdown_grace_seconds)
+    await engine_watch.stop()
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(args.drain_delay_seconds)
     await server.stop(args.shutdown_grace_seconds)
@@ -281,7 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad flags or a bad checkpoint: say which, exit non-zero
         print(f"tandem worker: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    _exit_after_clean_stop()
+
+
+def _exit_after_clean_stop() -> NoReturn:
+    """Exit 0 now that serve() has stopped everything it started (the gRPC server, peer
+    channels, the engine thread, follower ranks). Interpreter teardown has nothing left to
+    release, yet it walks every object and finalizes torch's and gRPC's extension modules,
+    which is slow on a loaded CPU box; orchestrators (`tandem up`, Kubernetes) SIGKILL a
+    worker that outlives their grace."""
+    logging.shutdown()  # flush every log handler
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

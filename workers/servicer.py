@@ -1,7 +1,10 @@
 """The Worker gRPC service: converts between protobuf and engine types, nothing more.
 
 Every request runs as one handler task; aborting a request cancels that task first, so no
-coroutine writes into KV blocks after the engine has freed them.
+coroutine writes into KV blocks after the engine has freed them. A handler's clean-up queues
+the engine-side abort without awaiting it (`_abort_soon`): a handler can be cancelled several
+times (its deadline, the client going away, an Abort RPC), and a cancelled await would drop
+the abort and leave the request generating to max_tokens.
 """
 from __future__ import annotations
 
@@ -80,10 +83,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._require_role(context, "prefill")
         params = await self._params(request.params, context)
         request_id = request.request_id
-        stream = self._begin(request_id)
+        stream = await self._begin(request_id, context)
         try:
             await self._add(context, list(request.prompt_token_ids), params, request_id,
-                            pin_after_prefill=request.keep_kv)
+                            pin_after_prefill=request.keep_kv, deadline=_deadline(context))
             event = await self._next_event(stream, context)
             response = worker_pb2.PrefillResponse(
                 token_id=event.token_id, finish_reason=finish_reason_to_proto(
@@ -97,7 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                          len(request.prompt_token_ids), event))
             return response
         except asyncio.CancelledError:
-            await self.engine.call(lambda e: e.abort(request_id))
+            self._abort_soon(request_id)
             raise
         finally:
             self._end(request_id)
@@ -108,7 +111,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = request.request_id
         prompt = list(request.prompt_token_ids)
         generated = list(request.generated_token_ids)
-        stream = self._begin(request_id)
+        stream = await self._begin(request_id, context)
         finished = False
         try:
             pull_seconds = 0.0
@@ -119,7 +122,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     params = dataclasses.replace(
                         params, max_tokens=params.max_tokens - len(generated),
                         min_tokens=max(0, params.min_tokens - len(generated)))
-                await self._add(context, prompt + generated, params, request_id)
+                await self._add(context, prompt + generated, params, request_id,
+                                deadline=_deadline(context))
             is_first = True
             while not finished:
                 events = await self._next_events(stream, context)
@@ -136,7 +140,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
         finally:
             if not finished:  # cancelled, failed, or the client went away
-                await self.engine.call(lambda e: e.abort(request_id))
+                self._abort_soon(request_id)
             self._end(request_id)
 
     async def Abort(self, request, context):
@@ -144,7 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if task is not None:
             task.cancel()  # its handler aborts the request once it stops touching KV
             return worker_pb2.AbortResponse(found=True)
-        found = await self.engine.call(lambda e: e.abort(request.request_id))
+        found = await self.engine.call_shielded(lambda e: e.abort(request.request_id))
         return worker_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
@@ -163,9 +167,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._releases.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._releases.discard)
 
-    def _begin(self, request_id: str) -> asyncio.Queue:
+    async def _begin(self, request_id: str, context) -> asyncio.Queue:
+        """Register this handler as the request's; ALREADY_EXISTS (touching nothing) when
+        another live handler owns the id, whose stream and clean-up must stay its own."""
+        if request_id in self._tasks:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id {request_id!r} is already in use")
         self._tasks[request_id] = asyncio.current_task()
         return self.engine.open_stream(request_id)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue the request's abort for the engine thread (after every command queued before
+        it, such as its add). Not awaited, so no cancellation can drop it."""
+        self.engine.submit(lambda e: e.abort(request_id))
 
     def _end(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
@@ -251,7 +265,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            await self.engine.call(lambda e: e.abort(request.request_id))
+            self._abort_soon(request.request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"KV pull from {handle.source_address} failed: {detail}")
         seconds = time.monotonic() - started
@@ -266,10 +280,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _reserve(self, context, prompt, generated, params, request_id):
         deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS
+        call_deadline = _deadline(context)
         while True:
             try:
-                seq = await self.engine.call(
-                    lambda e: e.reserve_prefilled(prompt, generated, params, request_id))
+                seq = await self.engine.call(lambda e: e.reserve_prefilled(
+                    prompt, generated, params, request_id, deadline=call_deadline))
             except OutOfRangeError as exc:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
             if seq is not None:
@@ -279,3 +294,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                     f"no free KV blocks for {len(prompt)} tokens within "
                                     f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
             await asyncio.sleep(0.01)
+
+
+def _deadline(context) -> float | None:
+    """The call's deadline on this process's time.monotonic() clock (None: it has none), for
+    the engine to drop the request once nobody waits for it."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining

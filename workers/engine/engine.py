@@ -136,13 +136,14 @@ class LLMEngine:
         return not blockers
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, *, pin_after_prefill: bool = False
-                    ) -> Sequence:
+                    request_id: str | None = None, *, pin_after_prefill: bool = False,
+                    deadline: float | None = None) -> Sequence:
         """Queue a request; ValueError (naming the problem) if it can never run.
 
         With pin_after_prefill the request stops after its first token and, unless that token
         finished it, keeps its prompt's KV blocks (status PINNED) until `release` or a lease
-        expiry: a decode worker pulls them meanwhile.
+        expiry: a decode worker pulls them meanwhile. Once `deadline` (time.monotonic()) has
+        passed, the request is dropped before the next step (`_drop_past_deadline`).
         """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -159,6 +160,7 @@ class LLMEngine:
             raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, request_id)
         seq.pin_after_prefill = pin_after_prefill
+        seq.deadline = deadline
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -195,7 +197,8 @@ class LLMEngine:
         return expired
 
     def reserve_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
-                          params: SamplingParams, request_id: str) -> Sequence | None:
+                          params: SamplingParams, request_id: str,
+                          deadline: float | None = None) -> Sequence | None:
         """Allocate blocks for a request prefilled elsewhere, so its KV can be written into them.
 
         Returns None when the blocks are not free now (retry later). The sequence is outside
@@ -204,7 +207,7 @@ class LLMEngine:
         """
         if not generated_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
-        seq = self.add_request(prompt_token_ids, params, request_id)
+        seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
         self.scheduler.waiting.remove(seq)
         seq.token_ids.extend(generated_token_ids)
         if not self.block_manager.can_allocate(seq):
@@ -240,6 +243,7 @@ class LLMEngine:
             # Triton launches on the thread's current device, which is per thread and may be
             # another GPU (a worker's engine thread starts on cuda:0; a test may have moved it).
             torch.cuda.set_device(self.resolved.device)
+        self._drop_past_deadline(started)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
@@ -274,6 +278,21 @@ class LLMEngine:
                 self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
                 self.num_finished["pinned"] += 1
         return sampled
+
+    def _drop_past_deadline(self, now: float) -> None:
+        """Abort queued and running requests whose deadline has passed: nobody waits for their
+        tokens, and a long prompt's remaining chunks would hold the engine for nothing. Pinned
+        and receiving requests are not scheduled; their leases and handlers end them."""
+        expired = [seq for seq in (*self.scheduler.waiting, *self.scheduler.running)
+                   if seq.deadline is not None and seq.deadline <= now]
+        for seq in expired:
+            logger.warning("dropped request %s: its deadline passed %.1f s ago (%d of %d prompt "
+                           "tokens computed, %d generated)", seq.request_id, now - seq.deadline,
+                           min(seq.num_computed_tokens, seq.num_prompt_tokens),
+                           seq.num_prompt_tokens, seq.num_completion_tokens)
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.num_finished["deadline"] += 1
 
 
 def _resolve_num_kv_blocks(config: EngineConfig, loaded: LoadedModel,

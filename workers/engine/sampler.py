@@ -150,7 +150,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     Repetition penalty covers every token of seq.token_ids (prompt and completion): positive
     logits are divided by it, others multiplied. Then frequency_penalty * count and
-    presence_penalty * (count > 0) are subtracted, counting completion tokens only.
+    presence_penalty * (count > 0) are subtracted, counting completion tokens only. A logit
+    pushed past the fp32 range stays the largest finite value (+inf would turn the row into
+    NaN once shifted by its maximum); -inf (a masked token) stays -inf.
     """
     out = logits.to(torch.float32, copy=True)
     _apply_penalties_(out, seqs)
@@ -184,7 +186,7 @@ def _apply_penalties_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     sub -= frequency * counts + presence * (counts > 0).float()
-    logits[rows] = sub
+    logits[rows] = sub.clamp_(max=torch.finfo(torch.float32).max)
 
 
 def _count_tokens(token_lists: list[list[int]], vocab_size: int,

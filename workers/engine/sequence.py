@@ -51,7 +51,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "status",
         "block_table", "block_hashes", "num_computed_tokens", "num_cached_tokens",
         "finish_reason", "logprobs", "generator", "num_preemptions", "num_prefix_hit_tokens",
-        "pin_after_prefill",
+        "pin_after_prefill", "deadline",
         "arrival_time", "first_scheduled_time", "first_token_time", "finished_time",
     )
 
@@ -79,6 +79,9 @@ class Sequence:
         self.num_prefix_hit_tokens = 0
         # Prefill-worker requests: after the first token, keep the blocks for a decode worker.
         self.pin_after_prefill = False
+        # time.monotonic() after which nobody waits for the request: the engine drops it
+        # between steps (None: no deadline).
+        self.deadline: float | None = None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
