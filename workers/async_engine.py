@@ -67,6 +67,7 @@ class AsyncEngine:
         # time.monotonic() when the engine thread last finished a loop turn (a step, a batch
         # of commands, or an idle wait); a plain float, written by that thread only.
         self._last_beat = time.monotonic()
+        self._is_idle = False  # the engine thread is waiting for a command: no work to stall
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -96,6 +97,8 @@ class AsyncEngine:
         if self._thread is not None and not self._thread.is_alive() \
                 and not self._stopping.is_set():
             return math.inf
+        if self._is_idle:
+            return 0.0
         return time.monotonic() - self._last_beat
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future:
@@ -150,8 +153,15 @@ class AsyncEngine:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            item = self._commands.get(timeout=self._idle_wait()) if block \
-                else self._commands.get_nowait()
+            if block:
+                self._is_idle = True
+                try:
+                    item = self._commands.get(timeout=self._idle_wait())
+                finally:
+                    self._is_idle = False
+                    self._last_beat = time.monotonic()
+            else:
+                item = self._commands.get_nowait()
         except queue.Empty:
             return
         while item is not None:
