@@ -23,7 +23,7 @@ S" (S ending ":barrier": the peer is gone), dumps Python stacks and exits 3 afte
 The parent kills both after --timeout, prints a stage x rank table, writes everything to
 $OUT/nccl-graph-probe.log if OUT is set, and exits 0 whatever happened: it is a probe.
 
-Found on 2 H200s (bench/results/nccl-graph-probe-*.log): every stage but fresh_comm_capture
+Found on 2 H200s (bench/RESULTS.md): every stage but fresh_comm_capture
 passes, so capturing the engine's collectives was never the problem; the TP engine's hang was
 rank 0's destroy_process_group waiting on the live graphs (LLMEngine.shutdown frees them first).
 """

@@ -76,7 +76,7 @@ def compare_matmul_forms(copy_bps: float) -> list[str]:
     return lines
 
 
-# block_n x block_k x warps x stages. The first sweep (H100, tune-gemv-h100.log) covered
+# block_n x block_k x warps x stages. On an H100 a sweep of
 # (4, 8, 16) x (256, 512, 1024) x (4, 8) x (3,); 256-wide K and 4 warps never won there. An
 # H200 moves 1.5x the bytes per second, so it needs more in flight: wider K, more warps and
 # deeper pipelines are in the space too.

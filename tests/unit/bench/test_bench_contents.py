@@ -52,3 +52,17 @@ def test_probe_imports_resolve(name):
                 node.module.startswith(("tandem", "benchmarks"))):
             module = importlib.util.find_spec(node.module)
             assert module is not None, f"{name} imports missing module {node.module}"
+
+
+def test_results_are_one_page_and_logs_are_not_tracked():
+    import subprocess
+    tracked = subprocess.run(["git", "ls-files", "bench", "benchmarks"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    logs = [name for name in tracked if name.endswith((".log", ".json")) or "/results/" in name]
+    assert logs == [], f"raw logs belong in the git-ignored bench/logs/: {logs[:5]}"
+    page = (REPO_ROOT / "bench" / "RESULTS.md").read_text()
+    for benchmark in ("tandem.bench.engine", "tandem.bench.kv_transfer", "tandem.bench.disagg",
+                      "tandem.bench.tp_check"):
+        assert f"python -m {benchmark}" in page, f"RESULTS.md has no command for {benchmark}"
