@@ -35,7 +35,7 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
-from tandem.workers.ops.gpu.kv_cache import write_kv_cache
+from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import rope_and_write_kv
 

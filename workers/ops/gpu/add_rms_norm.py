@@ -1,6 +1,6 @@
 """RMSNorm with the residual add fused in: one read of x (and residual), one write of each.
 
-Numerics follow transformers (and rms_norm in norm.py): s = x + residual rounded to the
+Numerics follow transformers (and rms_norm in ops/norm.py): s = x + residual rounded to the
 activation dtype (the new residual), normalized in fp32, rounded, then multiplied by the weight.
 """
 from __future__ import annotations
