@@ -122,7 +122,8 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
                        worker_args=["--tensor-parallel-size", str(args.tp), "--kv-transfer",
                                     backend, "--load-format", "dummy", "--dtype", "bfloat16",
                                     "--no-prefix-caching", "--max-num-seqs", "8",
-                                    "--max-model-len", "8192"])
+                                    "--max-model-len", "8192",
+                                    "--gpu-memory-utilization", "0.45"])  # the two share GPUs
     rng = random.Random(7)
     rows = {}
     address = stack.start()

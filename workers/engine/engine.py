@@ -113,8 +113,10 @@ class LLMEngine:
         rank. Idempotent. Call it from the thread that drove the engine, after its last step."""
         if self.rank_group is not None:
             # NCCL's teardown waits for the CUDA graphs that captured its collectives (it hung
-            # in destroy_process_group with them alive, on 2 H200s): free them first.
-            self.runner.release_cuda_graphs()
+            # in destroy_process_group with them alive, on 2 H200s): free them first. No
+            # runner yet: set-up failed (e.g. the KV cache did not fit) before any capture.
+            if hasattr(self, "runner"):
+                self.runner.release_cuda_graphs()
             self.rank_group.shutdown()
 
     def _decode_graphs_possible(self, device: torch.device) -> bool:

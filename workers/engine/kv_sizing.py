@@ -1,6 +1,6 @@
-"""How many KV blocks a GPU worker allocates: arithmetic over measured sizes, no torch.
+"""How many KV blocks an engine allocates: arithmetic over given and measured sizes, no torch.
 
-memory_profile.py measures the sizes; this module only combines them:
+On a GPU (memory_profile.py measures the sizes; this module only combines them):
 
     budget     = gpu_memory_utilization x total            this worker's share of the device
     non-KV     = weights + peak activations + reserve       reserve: CUDA graphs, the sampler's
@@ -13,7 +13,9 @@ Memory already in use when the worker starts (other processes, other engines in 
 is not part of the budget, but the budget must fit beside it: two workers at 0.45 share a GPU,
 a second worker at 0.9 is refused with the sizes that do not add up.
 
-Every failure is a ValueError that names the sizes involved and the setting to change.
+On CPU a fixed byte budget takes the place of the measured share (size_kv_cache_from_budget),
+and a given num_kv_blocks replaces both (fixed_kv_cache). Every failure is a ValueError that
+names the sizes involved and the setting to change.
 """
 from __future__ import annotations
 

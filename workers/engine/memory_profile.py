@@ -111,7 +111,9 @@ def profile_memory(config: EngineConfig, loaded: LoadedModel, start: MemoryAtSta
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del hidden, inputs
-    torch.cuda.empty_cache()  # the activations' segments go back before the KV cache is made
+    # The probe caches and the activations' segments go back before the KV cache is made.
+    _bind_probe_caches(loaded.model, 0, config.block_size, loaded.dtype, device)
+    torch.cuda.empty_cache()
     sampler = config.max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
     graphs = CUDA_GRAPH_BASE_BYTES + sum(capture_sizes) * vocab_size * 4 if capture_sizes else 0
     return MemoryProfile(total_bytes=start.total_bytes, used_by_others_bytes=start.used_bytes,
@@ -132,7 +134,8 @@ def _dummy_prompt_lengths(max_num_batched_tokens: int, max_num_seqs: int,
 
 def _bind_probe_caches(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> None:
-    """Small KV caches for the dummy prefill; ModelRunner binds the real ones over them."""
+    """KV caches of num_blocks blocks for the dummy prefill (0: empty ones, which free the
+    probe's); ModelRunner binds the real ones later."""
     for layer in attention_layers(model):
         layer.bind_kv_cache(*(torch.zeros(shape, dtype=dtype, device=device)
                               for shape in layer.kv_cache_shapes(num_blocks, block_size)))

@@ -9,6 +9,7 @@ from tandem import LLM
 from tandem.workers.engine.kv_sizing import blocks_per_seq
 from tandem.workers.engine.memory_profile import (_bind_probe_caches, _dummy_prefill,
                                                   _dummy_prompt_lengths)
+from tandem.workers.engine.model_runner import attention_layers
 
 
 def test_prompt_lengths_fill_the_step_budget_within_the_limits():
@@ -34,3 +35,6 @@ def test_dummy_prefill_through_probe_caches_gives_transformers_logits(checkpoint
         expected = ckpt.logits(token_ids[start:start + n])[-1]
         torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=2e-4)
         start += n
+    _bind_probe_caches(model, 0, 16, torch.float32, torch.device("cpu"))  # frees the probe's
+    assert all(cache.numel() == 0 for layer in attention_layers(model)
+               for cache in (layer.k_cache, layer.v_cache))

@@ -55,3 +55,16 @@ def test_sizes_that_do_not_split_the_model_are_refused_naming_the_field(checkpoi
         LLM(ckpt.path, dtype="float32", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="enable_expert_parallel"):
         LLM(ckpt.path, dtype="float32", enable_expert_parallel="yes")
+
+
+def test_a_kv_cache_that_cannot_hold_max_model_len_fails_as_a_value_error_under_tp(checkpoint):
+    """Rank 0's sizing fails after its follower started: the ValueError reaches the caller and
+    the follower is stopped."""
+    from helpers.processes import child_pids
+
+    ckpt = checkpoint("llama")
+    before = set(child_pids(os.getpid()))  # e.g. multiprocessing's resource tracker
+    with pytest.raises(ValueError, match="num_kv_blocks=2 holds 32 tokens"):
+        LLM(ckpt.path, dtype="float32", num_kv_blocks=2, max_model_len=256,
+            tensor_parallel_size=2)
+    assert not [pid for pid in set(child_pids(os.getpid())) - before if is_running(pid)]
