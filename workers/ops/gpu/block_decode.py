@@ -113,7 +113,8 @@ def block_splits_for(num_seqs: int, max_seq_len: int, block_size: int, num_sms: 
     a lone sequence takes half the SMs, so that each CTA streams ~4 blocks through its buffers
     while the producer warp keeps the TMA queue full, which is faster than one CTA per SM for
     a lone sequence and slower for 8 (bench/RESULTS.md, block decode). Depends only on the
-    batch shape and the longest context, so a CUDA graph captured for a batch size stays valid at every length."""
+    batch shape and the longest context, so a CUDA graph captured for a batch size stays
+    valid at every length."""
     blocks = max(1, -(-max_seq_len // block_size))
     wave = num_sms // 2 if num_seqs == 1 else num_sms // max(1, num_seqs)
     return max(1, min(wave, blocks, MAX_SPLITS))
