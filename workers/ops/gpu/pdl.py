@@ -5,8 +5,8 @@ its launch has been processed, a gap of a microsecond or two at every kernel bou
 batch-1 step of a few hundred kernels pays hundreds of times. A kernel launched with PDL may
 start while the previous kernel is still running; it must execute `gdc_wait()`
 (griddepcontrol.wait: the previous grid has completed and its writes are visible) before it
-reads anything an earlier kernel wrote and before it writes anything at all. Work that depends on neither (loading
-weights, which no kernel writes) may come before the wait.
+reads anything an earlier kernel wrote and before it writes anything at all. Work that depends
+on neither (loading weights, which no kernel writes) may come before the wait.
 
 Invariant kept by every kernel taking USE_PDL: no global store and no load of activations,
 KV cache or partial results happens before `wait_for_previous_kernel(USE_PDL)`.
