@@ -230,8 +230,8 @@ def _warm_up(args, router: str) -> None:
 def _settle(args, stack: LocalStack, router: str) -> None:
     """--settle-runs uncounted runs per mix at its first rate. The closed-loop warm-up does
     not load a stack like an open-loop run: on 2 H200s the first measured run of the
-    disaggregated stack had a TTFT p90 of 1.5-1.7 s where later, faster runs had 0.3 s
-    (bench/results/disagg-diag-h200x2-s5.log), which alone set the goodput."""
+    disaggregated stack had a TTFT p90 of 1.5-1.7 s where later, faster runs had 0.3 s,
+    which alone set the goodput."""
     for _ in range(args.settle_runs):
         for mix in args.mix_list:
             rate = (args.mix_rates[mix] or [_start_rate(args, mix)])[0]

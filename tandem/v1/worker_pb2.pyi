@@ -184,16 +184,14 @@ class GetLoadResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
-    __slots__ = ("handle_id", "start_block", "expected_layout", "accepts_pieces")
+    __slots__ = ("handle_id", "start_block", "expected_layout")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTS_PIECES_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     start_block: int
     expected_layout: KVLayout
-    accepts_pieces: bool
-    def __init__(self, handle_id: _Optional[str] = ..., start_block: _Optional[int] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., accepts_pieces: _Optional[bool] = ...) -> None: ...
+    def __init__(self, handle_id: _Optional[str] = ..., start_block: _Optional[int] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
 
 class ExportKVCacheRequest(_message.Message):
     __slots__ = ("expected_layout",)
@@ -260,18 +258,10 @@ class LeaseKVResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullKVResponse(_message.Message):
-    __slots__ = ("layer", "kv_index", "offset", "data", "pieces")
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    KV_INDEX_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("pieces",)
     PIECES_FIELD_NUMBER: _ClassVar[int]
-    layer: int
-    kv_index: int
-    offset: int
-    data: bytes
     pieces: _containers.RepeatedCompositeFieldContainer[KVPiece]
-    def __init__(self, layer: _Optional[int] = ..., kv_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., pieces: _Optional[_Iterable[_Union[KVPiece, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pieces: _Optional[_Iterable[_Union[KVPiece, _Mapping]]] = ...) -> None: ...
 
 class KVPiece(_message.Message):
     __slots__ = ("layer", "kv_index", "offset", "data")

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from tandem.workers.ops.attention import paged_attention_torch  # noqa: E402
 from tandem.workers.ops.gpu.block_decode import (  # noqa: E402
     block_decode_attention, block_decode_supported, block_splits_for)
-from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
+from tandem.workers.ops.gpu.kv_write import write_kv_cache  # noqa: E402
 from tests.helpers.gpu_paged import (  # noqa: E402
     DEV, paged_case, rel, replay_rope_write_then_attend)
 

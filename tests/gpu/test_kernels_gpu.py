@@ -20,7 +20,7 @@ from tandem.workers.ops.activation import SiluAndMul  # noqa: E402
 from tandem.workers.ops.attention import (  # noqa: E402
     Attention, paged_attention_torch)
 from tandem.workers.ops.backend import KernelBackend  # noqa: E402
-from tandem.workers.ops.gpu.kv_cache import write_kv_cache  # noqa: E402
+from tandem.workers.ops.gpu.kv_write import write_kv_cache  # noqa: E402
 from tandem.workers.ops.gpu.rope import rope_and_write_kv  # noqa: E402
 from tandem.workers.ops.kv_cache import write_slots  # noqa: E402
 from tandem.workers.ops.gpu.paged_decode import (  # noqa: E402

@@ -11,9 +11,8 @@ of 16), a prompt longer than the step budget, and decode steps at several batch 
 Fresh prompts take torch SDPA (attention_gpu.py); unified_attention runs only on steps where
 some sequence continues over cached context, and picks its 2D kernel for <= 512 cached keys or
 many query tiles and its 3D kernel otherwise, with 16, 32 or 64 segments by the step's query
-tiles. Measured on an H200 pair (bench/results/disagg-warmup-h200x2-s6.log): without such steps
-a prefill worker compiled four 2D variants while serving, ~1 s each, inside the first requests'
-TTFT. So CONTINUATIONS builds those steps on purpose: a filler prompt of (step budget - c)
+tiles. Without such steps a prefill worker compiles 2D variants while serving, about a second
+each, inside the first requests' TTFT. So CONTINUATIONS builds those steps on purpose: a filler prompt of (step budget - c)
 tokens and a target prompt of c + q tokens go in together; the scheduler fills the budget with
 the filler and the target's first c tokens, and the next step continues the target's q tokens
 over c cached keys, with the extra prompts (fresh) joining it. The block-table width, the other

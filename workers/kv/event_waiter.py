@@ -36,9 +36,9 @@ from typing import Callable
 
 IDLE_SECONDS = 30.0
 # How long the loop polls before handing a wait to the thread: about a 700 MiB copy at NVLink
-# speed, so pulls of common sizes never take the thread hop. On 2 H200s, 8 streamed pullers of
-# 32-64 MiB handles went from 0.66-0.75x to 0.78-0.86x of the copy rate against 200 us
-# (bench/results/kv-transfer-spin-h200x2.log). The loop runs other callbacks between polls.
+# speed, so pulls of common sizes never take the thread hop, whose latency costs streamed
+# pullers of 32-64 MiB handles a tenth of the copy rate (bench/RESULTS.md, kv_transfer). The
+# loop runs other callbacks between polls.
 SPIN_SECONDS = 2e-3
 
 Callback = Callable[[BaseException | None], object]

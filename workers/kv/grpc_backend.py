@@ -54,11 +54,6 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 f"{len(block_ids)}]")
         kv_caches, payload_block_ids = await self.blocks.read(block_ids[request.start_block:])
         chunks = iter_payload_chunks(kv_caches, payload_block_ids)
-        if not request.accepts_pieces:  # an older receiver: one chunk per response
-            for layer, kv_index, offset, data in chunks:
-                yield worker_pb2.PullKVResponse(layer=layer, kv_index=kv_index, offset=offset,
-                                                data=data)
-            return
         # Responses of up to DEFAULT_CHUNK_BYTES (or one larger chunk): under gRPC's 4 MB.
         response, size = worker_pb2.PullKVResponse(), 0
         for layer, kv_index, offset, data in chunks:
@@ -125,12 +120,9 @@ async def pull_kv(channel: grpc.aio.Channel, handle: worker_pb2.KVHandle, local:
     stub = worker_pb2_grpc.KVTransferStub(channel)
     writer = blocks.writer(block_ids)
     request = worker_pb2.PullKVRequest(handle_id=handle.handle_id, start_block=start_block,
-                                       expected_layout=layout_to_proto(local),
-                                       accepts_pieces=True)
-    async for chunk in stub.PullKV(request, timeout=timeout):
-        if chunk.data:  # a source that sends one chunk per response
-            writer.write(chunk.layer, chunk.kv_index, chunk.offset, chunk.data)
-        for piece in chunk.pieces:
+                                       expected_layout=layout_to_proto(local))
+    async for response in stub.PullKV(request, timeout=timeout):
+        for piece in response.pieces:
             writer.write(piece.layer, piece.kv_index, piece.offset, piece.data)
     writer.check_complete()
     await blocks.commit(block_ids, writer)

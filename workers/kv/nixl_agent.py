@@ -9,19 +9,18 @@
 
 Built on NIXL's bindings (the module under nixl._api) rather than nixl._api.nixl_agent, for
 one reason: nixl_agent starts NIXL's progress thread with a delay of 0 us, and that thread
-then spins a whole core per agent even when idle (measured with nixl-cu13 1.5.1: 2.9 CPU
-seconds per 3 s idle). With PROGRESS_DELAY_US it costs about 4% of a core and a 16 MiB READ
-is as fast. The thread cannot be left off: a READ completes only while the *source* agent
-makes progress (over UCX's tcp transport the source answers every get; over shared memory
-the connection set-up needs it too; measured: a READ stays in progress forever otherwise).
+then spins a whole core per agent even when idle (nixl-cu13 1.5.1). With PROGRESS_DELAY_US
+it costs a few percent of a core and READs are as fast. The thread cannot be left off: a READ
+completes only while the *source* agent makes progress (over UCX's tcp transport the source
+answers every get; over shared memory the connection set-up needs it too; without it a READ
+stays in progress forever).
 
 Every NIXL call is made on the agent's own thread (so NIXL_THREAD_SYNC_NONE is safe), and a
 READ runs there from post to release. Callers never wait on it unless they ask to: on one host
-UCX does the whole READ inside the post call (measured on 2 H200s: 16000 descriptors, 250
-blocks of a TP rank's 8B cache, take 99-108 ms in postXferReq, which then reports it done),
-and that call releases the GIL, so the engine steps and the event loop serves streams
-meanwhile (a Python thread spinning beside it was never held up more than 1.5 ms;
-bench/results/nixl-read-anatomy-h200x2-s10.log).
+UCX does the whole READ inside the post call (postXferReq then reports it done; tens of
+milliseconds for a TP rank's share of a long prompt's cache), and that call releases the GIL,
+so the engine steps and the event loop serves streams meanwhile (bench/RESULTS.md,
+nixl_read_anatomy).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
     ... launch the kernels that read ids, record `done` after them ...
     buffers.retire(ids, done)              # reusable once `done` completed
 
-Pinning a fresh tensor per launch costs 15-23 us (H200 host); filling a kept buffer costs a
-few. The kernel reads the buffer over PCIe while it runs, so:
+Pinning a fresh tensor per launch costs more host time than the launch itself; filling a kept
+buffer costs a few microseconds. The kernel reads the buffer over PCIe while it runs, so:
 
 Invariant: a buffer is handed out again only after the event it was retired with has
 completed (event.query() is True), i.e. after every launch that reads it finished. Buffers

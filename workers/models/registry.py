@@ -17,9 +17,6 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
 }
 
-# Architectures transformers knows that Tandem cannot serve yet: name -> why.
-_NOT_SUPPORTED_YET: dict[str, str] = {}
-
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
@@ -31,9 +28,6 @@ def resolve_model_class(config: Any) -> type:
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
     for name in architectures:
-        if name in _NOT_SUPPORTED_YET:
-            raise ValueError(f"architecture {name} is not supported yet: "
-                             f"{_NOT_SUPPORTED_YET[name]}")
         if name in _MODELS:
             module_name, class_name = _MODELS[name]
             module = importlib.import_module(f"tandem.workers.models.{module_name}")

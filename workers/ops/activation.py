@@ -19,7 +19,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         if self.backend is KernelBackend.AITER_TRITON:
-            from tandem.workers.ops.gpu.activation import silu_and_mul
+            from tandem.workers.ops.gpu.silu_and_mul import silu_and_mul
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

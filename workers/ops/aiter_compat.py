@@ -4,7 +4,7 @@ Nothing happens at import: the package `amd-aiter` (a pure-Python wheel; `pip in
 amd-aiter`) is looked for and patched only when `load_aiter_triton()` is first called, and
 later calls return the same object.
 
-What loading does (it is what makes the kernels run on CUDA; see shared/notes/aiter-on-cuda.md):
+What loading does (it is what makes the kernels run on CUDA):
 1. `aiter/__init__.py` imports AITER's ROCm JIT, so it is not run: a bare package module named
    `aiter` whose `__path__` is the installed folder goes into `sys.modules`, and only the Triton
    submodules are imported through it. (If `aiter` is already imported, that module is used.)

@@ -10,12 +10,11 @@
       later chunks, sinks)                   sliding window)
 
 Why: at small batch AITER's decode kernels leave most SMs idle (see paged_decode.py); up to 8
-sequences the whole-block kernel reads KV faster than the Triton one (1 x 4k: 9.4 vs 12.0 us,
-8 x 4k: 52.5 vs 56.8 us on an H100), from 32 on the Triton kernel is ahead (188 vs 191 us at
-32 x 4k; bench/results/block-decode-h100-s12.log). On an
-H200 torch SDPA's causal attention ran 1.5x faster than AITER's Triton flash attention at 8k
-tokens (shared/notes/aiter-on-cuda.md); unified_attention is the one kernel that reads a paged
-context for prefills that continue earlier chunks. bench/engine.py re-measures these choices.
+sequences the whole-block kernel reads KV faster than the Triton one, from 32 on the Triton
+kernel is ahead. For fresh prompts torch SDPA's causal flash attention is faster than AITER's
+Triton flash attention on NVIDIA GPUs; unified_attention is the one kernel that reads a paged
+context for prefills that continue earlier chunks. bench/engine.py re-measures these choices;
+the latest numbers are on bench/RESULTS.md.
 In float32 (a test dtype), prefills with cached context use the torch reference instead of
 unified_attention, whose tl.dot rounds fp32 to tf32.
 
@@ -36,7 +35,7 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
-from tandem.workers.ops.gpu.kv_cache import write_kv_cache
+from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import rope_and_write_kv
 

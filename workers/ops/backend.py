@@ -21,7 +21,6 @@ logger = get_logger(__name__)
 class KernelBackend(str, enum.Enum):
     TORCH = "torch"
     AITER_TRITON = "aiter-triton"
-    AITER = "aiter"  # AITER's native (ROCm, compiled) kernels: not built yet
 
 
 KERNEL_CHOICES = ("auto",) + tuple(b.value for b in KernelBackend)
@@ -43,9 +42,6 @@ def resolve_backend(name: str, device_type: str) -> KernelBackend:
             _warn_torch_on_gpu("triton" if not triton_available() else "amd-aiter")
         return KernelBackend.TORCH
     backend = KernelBackend(name)
-    if backend is KernelBackend.AITER:
-        raise ValueError("kernels='aiter' (AITER's compiled ROCm kernels) is not available yet; "
-                         "use 'aiter-triton' or 'torch'")
     if backend is KernelBackend.AITER_TRITON:
         if not on_gpu:
             raise ValueError(f"kernels='aiter-triton' needs a GPU; device is {device_type!r} "
@@ -65,10 +61,3 @@ def _warn_torch_on_gpu(missing: str) -> None:
     logger.warning("--kernels auto on a GPU: %s is not installed, so the torch kernels run "
                    "(eager decode, no CUDA graphs; several times slower). %s", missing,
                    INSTALL_HINT)
-
-
-def require_torch_backend(backend: KernelBackend, op: str) -> KernelBackend:
-    """For ops that have only the torch implementation."""
-    if backend is not KernelBackend.TORCH:
-        raise ValueError(f"{op}: kernel backend {backend.value!r} is not implemented yet")
-    return backend

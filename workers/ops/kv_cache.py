@@ -17,7 +17,7 @@ same token: an op writes all of its tensors' rows for a token in the same step.
 A tensor's blocks are each contiguous, but its slots need not be: the runner lays caches out
 block-major (a block of every layer together), so block b starts b * stride(0) elements in and
 slot s lives at (s // block_size) * stride(0) + (s % block_size) * stride(1). Ops address
-slots that way (write_slots here; gpu/kv_cache.slot_offset in kernels), never through
+slots that way (write_slots here; gpu/kv_write.slot_offset in kernels), never through
 cache.view(-1, ...).
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.workers.ops.backend import KernelBackend, require_torch_backend
+from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe, check_aiter_triton_args
 from tandem.workers.ops.linear import tp_rank_and_size
 from tandem.workers.parallel.context import current_parallel
@@ -189,9 +189,7 @@ class FusedMoE(nn.Module):
             except ImportError as e:
                 raise ValueError(f"fused_moe: kernel backend 'aiter-triton' is unavailable: "
                                  f"{e}") from e
-            self.backend = backend
-        else:
-            self.backend = require_torch_backend(backend, "fused_moe")
+        self.backend = backend
         self._fused_moe = _KERNELS[self.backend]
 
     def _init_parallel(self) -> None:

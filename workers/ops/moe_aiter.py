@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 def aiter_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict[str, int]:
     """Block sizes for AITER's `fused_moe` kernel, by the mean number of (token, slot) pairs
-    per expert. AITER's own tuned tables are for AMD GPUs; these were picked from a handful of
-    configs timed under a CUDA graph on one H100 (E=128, top-8, H=2048, I=768; T=1: 97 us,
-    T=512: 577 us, T=4096: 1111 us for the whole layer), not tuned further."""
+    per expert. AITER's own tuned tables are for AMD GPUs; these are the best of a handful of
+    configs timed under a CUDA graph on an H100 at Qwen3-30B-A3B's shape (E=128, top-8,
+    H=2048, I=768), not tuned further."""
     pairs_per_expert = num_tokens * top_k / num_experts
     if pairs_per_expert <= 16:  # decode: mostly weight reads, one 16-row block per expert
         return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,

@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         use the returned s and not the residual tensor they passed in.
         """
         if self.backend is KernelBackend.AITER_TRITON:
-            from tandem.workers.ops.gpu.norm import rms_norm
+            from tandem.workers.ops.gpu.add_rms_norm import rms_norm
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return rms_norm(x, self.weight, self.eps, residual), residual

@@ -1,9 +1,9 @@
 """A one-shot all-reduce for small tensors between the GPUs of one TP worker (NVLink / P2P).
 
 Why: a decode step of a TP model all-reduces two small activations per layer ([batch, hidden]:
-8 KiB at batch 1 for an 8B model). NCCL's latency for such sizes is tens of microseconds, so a
-TP=2 batch-1 step of an 8B model took as long as TP=1 (4.67 vs 4.57 ms on two H200s,
-bench/results/tp-decode-one-message-h200x2-s8.log) though each GPU reads half the weights.
+8 KiB at batch 1 for an 8B model). NCCL's latency for such sizes is tens of microseconds, enough
+to make a TP=2 batch-1 step of an 8B model as slow as TP=1 though each GPU reads half the
+weights; this kernel's latency is a few microseconds (bench/RESULTS.md, tp_decode).
 
 How: every rank owns, in its own GPU memory, a data buffer [2 parities, world, SLOT elements]
 and a flag array [world, MAX_PROGRAMS] int32, and maps every other rank's through CUDA IPC. A

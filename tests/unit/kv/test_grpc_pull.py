@@ -1,13 +1,12 @@
-"""The grpc KV backend's wire format, through a real KVTransferServicer on 127.0.0.1: a receiver
-that accepts pieces gets small handles in a few responses (several tensors' chunks packed
-together), an older receiver still gets one chunk per response, and both rebuild the same
-blocks bit for bit."""
+"""The grpc KV backend's wire format, through a real KVTransferServicer on 127.0.0.1: small
+handles arrive in a few responses (several tensors' chunks packed together, each response under
+DEFAULT_CHUNK_BYTES), and a reader of the raw stream and pull_kv rebuild the same blocks bit for
+bit."""
 from __future__ import annotations
 
 import asyncio
 
 import grpc
-import pytest
 import torch
 
 from tandem.bench.kv_transfer_source import PinnedHandlesEngine
@@ -39,8 +38,17 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
-@pytest.mark.parametrize("accepts_pieces", [True, False])
-def test_pull_packs_pieces_only_for_receivers_that_accept_them(accepts_pieces):
+def test_pull_wire_has_one_format():
+    """PullKV has one response format: packed pieces. The per-chunk fields and the request's
+    accepts_pieces switch are reserved, so their numbers are never reused."""
+    request = worker_pb2.PullKVRequest.DESCRIPTOR
+    response = worker_pb2.PullKVResponse.DESCRIPTOR
+    assert "accepts_pieces" not in request.fields_by_name
+    assert 4 not in request.fields_by_number
+    assert list(response.fields_by_name) == ["pieces"]
+
+
+def test_pull_packs_pieces():
     source = caches(seed=5)
     layout = KVLayout.from_kv_caches(source)
     src_ids, dst_ids = [9, 0, 4], [1, 11, 6]
@@ -55,19 +63,17 @@ def test_pull_packs_pieces_only_for_receivers_that_accept_them(accepts_pieces):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 request = worker_pb2.PullKVRequest(
-                    handle_id="h", expected_layout=layout_to_proto(layout),
-                    accepts_pieces=accepts_pieces)
+                    handle_id="h", expected_layout=layout_to_proto(layout))
                 receiver = caches(seed=None)
                 writer = PayloadWriter(receiver, dst_ids)
                 responses = 0
                 async for r in worker_pb2_grpc.KVTransferStub(channel).PullKV(request):
                     responses += 1
-                    assert bool(r.data) != accepts_pieces and bool(r.pieces) == accepts_pieces
                     assert sum(len(p.data) for p in r.pieces) <= DEFAULT_CHUNK_BYTES
-                    for p in r.pieces or [r]:
+                    for p in r.pieces:
                         writer.write(p.layer, p.kv_index, p.offset, p.data)
                 writer.check_complete()
-                # pull_kv (which accepts pieces) rebuilds the same blocks
+                # pull_kv rebuilds the same blocks
                 again = caches(seed=None)
                 handle = worker_pb2.KVHandle(handle_id="h", num_blocks=len(src_ids))
                 num_bytes = await pull_kv(channel, handle, layout, DirectKVBlocks(again),
@@ -77,7 +83,7 @@ def test_pull_packs_pieces_only_for_receivers_that_accept_them(accepts_pieces):
         return receiver, again, responses, num_bytes
 
     receiver, again, responses, num_bytes = asyncio.run(run())
-    assert responses == (1 if accepts_pieces else 2 * LAYERS)  # 12 x 12 KiB in one response
+    assert responses == 1  # 12 chunks of 12 KiB in one response
     assert num_bytes == 2 * LAYERS * len(src_ids) * 4096
     for got in (receiver, again):
         for src_layer, dst_layer in zip(source, got):

@@ -103,11 +103,9 @@ def test_fused_moe_weight_loader_rejects_bad_tensors(param_name, tensor_shape, s
                           expert_id)
 
 
-def test_fused_moe_rejects_unknown_activation_and_backend():
+def test_fused_moe_rejects_unknown_activation():
     with pytest.raises(ValueError, match="activation='gelu'"):
         FusedMoE(2, 8, 8, activation="gelu")
-    with pytest.raises(ValueError, match="fused_moe"):  # AITER native kernels: not written yet
-        FusedMoE(2, 8, 8, backend=KernelBackend.AITER)
 
 
 # ---- routing vs transformers -------------------------------------------------------------

@@ -37,9 +37,8 @@ except ImportError:
     knobs = None
 
 # Bytes one program moves: each of 4 warps' threads issues 4 x 16-byte loads before its first
-# store. Swept on 2 H200s (cuda:1 reading cuda:0 over NVLink, 64 tensors x 32 KiB blocks;
-# bench/results/gather-explore-h200x2.log): 8-32 KiB chunks and 4-16 warps are within ~5% at
-# 256 MiB (0.93x the copy engine's 1 GiB rate); 8 KiB x 4 warps is best or tied at 16-64 MiB.
+# store. Over NVLink between two H200s (64 tensors x 32 KiB blocks) 8-32 KiB chunks and 4-16
+# warps are within ~5% of each other at 256 MiB; 8 KiB x 4 warps is best or tied at 16-64 MiB.
 CHUNK_BYTES = 8192
 NUM_WARPS = 4
 

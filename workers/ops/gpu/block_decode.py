@@ -26,7 +26,7 @@ MAX_SPLITS = 256        # kCombineMaxSplits in decode_combine.cuh
 MAX_STAGES = 8          # kMaxStages in the .cu
 SHARED_BUDGET = 200 * 1024  # bytes of block buffers per CTA (one CTA per SM)
 # From this many splits up, slots are copied one each to padded rows (conflict-free operand
-# loads); below it, one copy per block streams faster (8x4k on an H100: 52.5 vs 55.6 us).
+# loads); below it, one copy per block streams faster.
 PADDED_SPLITS = 32
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -111,10 +111,10 @@ def layout_reason(device: torch.device, dtype: torch.dtype, num_heads: int,
 def block_splits_for(num_seqs: int, max_seq_len: int, block_size: int, num_sms: int) -> int:
     """Splits per sequence: at most one CTA per SM in one wave, never more splits than blocks;
     a lone sequence takes half the SMs, so that each CTA streams ~4 blocks through its buffers
-    while the producer warp keeps the TMA queue full (1 x 4k on an H100: 8.7-8.8 us at 66
-    splits against 9.2-9.8 at 132; 8 sequences keep 16 splits: 52.9 against 55.6 us at 8;
-    bench/results/block-decode-*-s13.log). Depends only on the batch shape and the longest
-    context, so a CUDA graph captured for a batch size stays valid at every length."""
+    while the producer warp keeps the TMA queue full, which is faster than one CTA per SM for
+    a lone sequence and slower for 8 (bench/RESULTS.md, block decode). Depends only on the
+    batch shape and the longest context, so a CUDA graph captured for a batch size stays
+    valid at every length."""
     blocks = max(1, -(-max_seq_len // block_size))
     wave = num_sms // 2 if num_seqs == 1 else num_sms // max(1, num_seqs)
     return max(1, min(wave, blocks, MAX_SPLITS))
@@ -134,7 +134,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     copy each (conflict-free operand loads) or one copy per block (default: padded from
     PADDED_SPLITS splits up). trace: int64 tensors
     [num_seqs * num_splits, 5] and [num_seqs * num_heads * 4, 5] the kernels fill with
-    %globaltimer stamps (bench/block_decode.py --timeline)."""
+    %globaltimer stamps (benchmarks/probes/block_decode.py --timeline)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"block decode attention unavailable: {library}")

@@ -1,8 +1,8 @@
 """y = x W^T for a single decode row, with the ops around it fused in.
 
 At batch 1 a decode step is a chain of weight reads (qkv, o, gate_up, down per layer) with
-small elementwise kernels between them; on an H200 the launches and the gaps between them were
-~0.8 ms of a 4.85 ms 8B step (bench/results/engine-h200.log). One kernel here does
+small elementwise kernels between them, whose launches and gaps are a large share of an 8B
+model's step on an H100 or H200. One kernel here does
 
     residual' = x + residual                          (HAS_RESIDUAL; written by program 0)
     h         = rms_norm(residual') * norm_weight       (HAS_NORM)
@@ -19,8 +19,8 @@ the same function as normalizing first; in bf16 it rounds differently from trans
 
 One program owns BLOCK_N output columns (both the gate and the up column for SILU_MUL) and reads
 its [BLOCK_N, K] slab of W once, as an elementwise multiply-and-sum (no tensor cores: one row).
-Only one row: at 8 rows a tensor-core version read weights at 12-43% of copy bandwidth where
-cuBLAS reached 70-88% (bench/results/engine-h100-fusions.log), so batches > 1 use cuBLAS.
+Only one row: at 8 rows cuBLAS reads weights much closer to copy bandwidth than a tensor-core
+version of this kernel, so batches > 1 use cuBLAS.
 """
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
 
 
 def default_config(n: int, k: int, silu_mul: bool) -> dict:
-    """Launch settings, from bench/tune_kernels.py --gemv on an H100 at Llama-8B's projections
-    (bench/results/tune-gemv-h100.log): 1024-wide K slices, 8 warps, 8 output columns per
-    program (4 gate + 4 up columns for SILU_MUL); 83-103% of copy bandwidth. On an H200 they
-    reach 75-97% and the best of a wider sweep gains only 1-4% (tune-gemv-h200-s10.log)."""
+    """Launch settings, the best of `python -m benchmarks.probes.tune_kernels --gemv` at
+    Llama-8B's projections on an H100 and within a few percent of the best on an H200
+    (bench/RESULTS.md, tune_kernels): 1024-wide K slices, 8 warps, 8 output columns per
+    program (4 gate + 4 up columns for SILU_MUL)."""
     return {"block_n": 4 if silu_mul else 8, "block_k": 1024, "num_warps": 8,
             "num_stages": 3}
 

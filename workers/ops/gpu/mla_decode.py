@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.gpu.kv_cache import slot_offset
+from tandem.workers.ops.gpu.kv_write import slot_offset
 from tandem.workers.ops.gpu.paged_decode import (combine_splits, num_splits_for,
                                                  online_softmax_step)
 

@@ -1,8 +1,8 @@
 """Split-KV paged decode attention (flash-decoding), our Triton kernel.
 
 Why ours: AITER's Triton decode kernels launch one program per (KV head, query block), which at
-batch 1 x 4k context keeps a handful of SMs busy and reads KV at ~5% of copy bandwidth
-(shared/notes/aiter-on-cuda.md). Here every sequence's visible keys are cut into NUM_SPLITS
+batch 1 x 4k context keeps a handful of SMs busy and reads KV far below copy bandwidth
+(bench/RESULTS.md, decode attention). Here every sequence's visible keys are cut into NUM_SPLITS
 equal ranges and each (sequence, KV head, split) is one program, so batch 1 still fills the GPU.
 The engine runs it above 8 sequences and wherever the whole-block CUDA kernel cannot run
 (block_decode.py, which is faster up to 8 sequences on Hopper; ops/attention_gpu.py).
@@ -15,21 +15,13 @@ Pass 1 (`_decode_split_kernel`), one program per (seq, kv_head, split):
 Pass 2, the combine, one per (seq, query head):
     out = sum_s exp(lse_s - m) o_s / (sum_s exp(lse_s - m) + exp(sink - m)),  m = max(lse, sink)
     which is the exact softmax over all visible keys (plus the sink logit, if any).
-    Tried three times and dropped: the last split of each (seq, KV head) combining in the same
-    launch (atomic counter): 14.3 vs 13.3 us at 1 x 4k on an H100 (engine-h100-fusions.log),
-    and again with the prefetch below, 13.3 vs 12.5 us (attention-anatomy-h100.log).
+    The combine is its own launch: folding it into the last split of each (seq, KV head)
+    (an atomic arrival counter) is slower at 1 x 4k.
 
 Prefetch (default on): each program loads its first tile before the PDL wait, every key but
 the newest, which is the only row of the sequence the previous kernel (RoPE + KV write)
 writes; the newest row is loaded after the wait. The KV read then overlaps the previous
-kernel's tail: 12.2-12.5 vs 13.1-13.5 us at 1 x 4k on an H100 in three runs. Also tried and
-dropped (same log): the later tiles prefetched into L2 with PTX prefetch.global.L2 (slower),
-and the combine letting the next kernel launch before its own wait (within noise). Session 9
-tried both again (commit 9e9b1ba, attention-overlap-h100-s9.log): the combine letting the next
-call launch first gives 12.0 vs 12.2 us at 1 x 4k (8.97 -> 7.05 us at 1 x 1k, 33.0 -> 30.2 us
-at 1 x 16k) but no better model step (1x1k 5.72 vs 5.65 ms); the later tiles bulk-prefetched
-into L2 (cp.async.bulk.prefetch) before the wait, 11.7 us with it and 13.1 us without, 42 vs
-33 us at 16k. Neither reaches 60% (9.5 us); both were reverted.
+kernel's tail (bench/RESULTS.md, decode attention).
 
 Everything the kernels read about the batch lives on the device (seq_lens, block_tables), and
 the grid depends only on the batch size: a launch can be captured in a CUDA graph and replayed
@@ -234,10 +226,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence: q [B, H, D] -> out [B, H, D] (q's dtype).
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
-    included). num_splits: a power of two (see num_splits_for). Launch defaults from
-    bench/tune_kernels.py and bench/engine.py on an H100: 64-key tiles, 4 warps, 3 pipeline
-    stages for a single split (one program loops over many tiles), else 2 (whole model steps
-    at batch 1-8 ran ~2-4% faster than with 1, within one kernel's timing noise alone).
+    included). num_splits: a power of two (see num_splits_for). Launch defaults, the best of
+    `python -m benchmarks.probes.tune_kernels` and bench/engine.py on an H100: 64-key tiles,
+    4 warps, 3 pipeline stages for a single split (one program loops over many tiles), else 2.
     """
     if num_stages is None:
         num_stages = 3 if num_splits == 1 else 2

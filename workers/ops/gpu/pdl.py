@@ -1,12 +1,12 @@
 """Programmatic dependent launch (PDL) for our decode-path kernels on Hopper and later.
 
 Without it each kernel of a decode step starts only after the previous one has finished and
-its launch has been processed: ~1-2 us per kernel boundary, about 0.35 ms of a batch-1 8B step
-on an H100 (bench/results/engine-h100-fusions.log). A kernel launched with PDL may start while
-the previous kernel is still running; it must execute `gdc_wait()` (griddepcontrol.wait: the
-previous grid has completed and its writes are visible) before it reads anything an earlier
-kernel wrote and before it writes anything at all. Work that depends on neither (loading
-weights, which no kernel writes) may come before the wait.
+its launch has been processed, a gap of a microsecond or two at every kernel boundary, which a
+batch-1 step of a few hundred kernels pays hundreds of times. A kernel launched with PDL may
+start while the previous kernel is still running; it must execute `gdc_wait()`
+(griddepcontrol.wait: the previous grid has completed and its writes are visible) before it
+reads anything an earlier kernel wrote and before it writes anything at all. Work that depends
+on neither (loading weights, which no kernel writes) may come before the wait.
 
 Invariant kept by every kernel taking USE_PDL: no global store and no load of activations,
 KV cache or partial results happens before `wait_for_previous_kernel(USE_PDL)`.

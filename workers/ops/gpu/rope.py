@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.gpu.kv_cache import slot_offset
+from tandem.workers.ops.gpu.kv_write import slot_offset
 from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 

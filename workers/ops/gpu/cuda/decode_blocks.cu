@@ -8,20 +8,11 @@
 // head h) and moves each slot with one bulk asynchronous copy (cp.async.bulk, the TMA engine)
 // into shared memory. The Triton split kernel (paged_decode.py) gathers one KV head's
 // 256-byte rows into registers instead, which bounds its bytes in flight per SM.
-// Measured on an H100 (bench/block_decode.py, bench/results/block-decode-h100-s13.log):
-// 1 x 4k 8.7-8.8 us (66% of copy bandwidth, 66 splits) against the Triton pair's 12.0 us.
-// Where the time goes (--timeline, block-decode-timeline-66splits-h100-s13.log): one CTA per
-// SM (its buffers take ~200 KB of shared memory), so a call's CTAs start as the previous
-// call's exit; the producer's 128 slot copies take ~4.5 us to issue (the TMA engine accepts
-// them as it drains), the last block lands ~3 us later, its attention and the partial stores
-// take ~1 us. A pure stream of the same 16.8 MB (bench/hbm_stream_probe.cu) takes 5.5-5.7 us.
-// Tried and slower at 1 x 4k: one copy per block (padded = 0: issued at once but no faster to
-// land, and its operand loads have bank conflicts: 10.1-10.3 us), copies of 2-8 slots per
-// padded group (9.9-10.5 us), two CTAs per SM (registers capped at 128, one block each:
-// 10.7 us), a thread-block cluster kernel reducing through DSMEM (sessions 6 and 12, removed:
-// 14.5 us at best), discarding the partials from L2 after the combine (no gain), and at 132
-// splits the producer warp's ninth warp keeps a combine CTA from fitting beside a split CTA
-// (registers per SM sub-partition), so 132 splits gain nothing from it (9.2-9.8 us).
+// One CTA per SM (its buffers take ~200 KB of shared memory), so a call's CTAs start as the
+// previous call's exit; the producer warp issues the slot copies as the TMA engine accepts
+// them, and the attending warps start on a block as soon as it lands. Times, the timeline
+// (benchmarks/probes/block_decode.py --timeline) and the stream-only floor
+// (benchmarks/probes/hbm_stream_probe.cu) are on bench/RESULTS.md.
 //
 // Grid (num_splits, num_seqs), KV + 1 warps per CTA: warps 0..KV-1 attend, warp KV (the
 // producer) only moves blocks. CTA s of a sequence takes blocks s, s + num_splits,
@@ -51,11 +42,58 @@
 
 #include "decode_combine.cuh"
 #include "decode_mma.cuh"
-#include "decode_tma.cuh"
 
 namespace {
 
 using namespace tandem_decode;
+
+// Shared-memory mbarriers and bulk (TMA) copies, sm_90+: thin wrappers over the PTX. A buffer's
+// `full` barrier counts the bytes of the copies into it; an `empty` one counts the warps that
+// have read it.
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A phase completes after `count` arrivals (and every byte an arrival expects has landed).
+__device__ __forceinline__ void barrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count)
+               : "memory");
+}
+
+// The phase's one arrival, announcing `bytes` of bulk copies to wait for.
+__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                   smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// `bytes` global -> this CTA's shared memory through the TMA engine, counted on `bar`.
+// Both addresses 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
+      : "memory");
+}
+
+// Arrive once on `bar` (the consumer's release of a buffer).
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
 
 constexpr int kMaxStages = 8;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -77,8 +115,9 @@ struct Params {  // mirrored by block_decode.py's ctypes structure: keep the ord
   int32_t stages;          // block buffers in shared memory, <= kMaxStages
   int32_t padded;          // 1: padded slot pitches, one copy per slot; 0: one copy per block
   float scale;             // softmax scale (natural units)
-  // Diagnostics (bench/block_decode.py --timeline), normally null: per CTA the %globaltimer
-  // (ns) at entry, copies issued, PDL wait returned, last block landed, partials stored.
+  // Diagnostics (benchmarks/probes/block_decode.py --timeline), normally null: per CTA the
+  // %globaltimer (ns) at entry, copies issued, PDL wait returned, last block landed, partials
+  // stored.
   uint64_t* trace;
 };
 
