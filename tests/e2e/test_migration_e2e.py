@@ -54,22 +54,27 @@ def stream(address: str, message, on_tokens, timeout: float = 120) -> Result:
 
 
 def kill_serving_decode_worker(stack, killed: list[str]) -> None:
-    """SIGKILL the live decode worker that is running the (only) request."""
-    serving = [w for name, w in stack.workers.items() if name.startswith("decode")
+    """SIGKILL the live decode (or both) worker that is running the (only) request."""
+    serving = [w for name, w in stack.workers.items() if not name.startswith("prefill")
                and w.is_alive() and worker_load(w.address).num_running >= 1]
-    assert len(serving) == 1, "the stream was not running on exactly one decode worker"
+    assert len(serving) == 1, "the stream was not running on exactly one worker"
     serving[0].popen.send_signal(signal.SIGKILL)
     serving[0].popen.wait(timeout=10)
     killed.append(serving[0].address)
 
 
+GREEDY, SEEDED = dict(temperature=0.0), dict(temperature=0.8, seed=1234)
+DISAGGREGATED = dict(num_decode=2)  # 1 prefill + 2 decode
+AGGREGATED = dict(num_prefill=0, num_decode=0, num_both=2)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0),
-                                      dict(temperature=0.8, seed=1234)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling,workers", [(GREEDY, DISAGGREGATED), (SEEDED, DISAGGREGATED),
+                                              (SEEDED, AGGREGATED)],
+                         ids=["greedy", "seeded", "seeded-aggregated"])
 def test_killed_decode_worker_stream_continues_with_the_undisturbed_tokens(
-        checkpoint, tmp_path, sampling):
-    stack = start_metered_stack(checkpoint, tmp_path, num_decode=2)
+        checkpoint, tmp_path, sampling, workers):
+    stack = start_metered_stack(checkpoint, tmp_path, **workers)
     try:
         message = request(PROMPT, max_tokens=NUM_TOKENS, **sampling)
         undisturbed = generate(stack.router.address, message)
@@ -82,13 +87,13 @@ def test_killed_decode_worker_stream_continues_with_the_undisturbed_tokens(
                 kill_serving_decode_worker(stack, killed)
 
         result = stream(stack.router.address, message, on_tokens)
+        log = f"killed at token {kill_at}; router log:\n{stack.router.log_tail()}"
         assert killed, f"the stream ended before token {kill_at}"
-        assert result.token_ids == undisturbed.token_ids, f"killed at token {kill_at}"
+        assert result.token_ids == undisturbed.token_ids, log
         assert result.text == undisturbed.text
-        assert result.complete.usage.num_migrations == 1
+        assert result.complete.usage.num_migrations == 1, log
         assert result.complete.usage.completion_tokens == NUM_TOKENS
-        assert router_counter(stack.router_metrics, "tandem:request_migrations",
-                              cause="unavailable") == 1
+        assert router_counter(stack.router_metrics, "tandem:request_migrations") == 1, log
     finally:
         stop(stack.processes)
 
