@@ -211,6 +211,8 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         # Back after its ejection backoff, on its first good health check.
         wait_until(lambda: router_counter(metrics_address, "tandem:worker_rejoins",
                                           worker=victim.address) >= 1, timeout=30)
+        # The thawed worker dropped the attempts that moved away (cancelled streams, Aborts).
+        wait_until(lambda: workers_idle(stack), timeout=30)
     finally:
         victim.popen.send_signal(signal.SIGCONT)
         stop(stack.processes)
