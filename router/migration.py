@@ -40,13 +40,13 @@ class MigrationLog:
     def num_migrations(self) -> int:
         return len(self.attempts) - 1
 
-    def record_failure(self, worker: WorkerEndpoint, message: str) -> Attempt:
-        """The current attempt failed on `worker`; returns it (its workers need an Abort) and
-        opens the next one, or raises UNAVAILABLE naming every attempt once the limit is
-        reached."""
+    def record_failure(self, address: str, message: str) -> Attempt:
+        """The current attempt failed on the worker at `address`; returns the attempt (its
+        workers need an Abort) and opens the next one, or raises UNAVAILABLE naming every
+        attempt once the limit is reached."""
         failed = self.current
         self.failures.append(message)
-        self.failed_addresses.add(worker.address)
+        self.failed_addresses.add(address)
         if self.num_migrations >= self.migration_limit:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, self.describe(
                 f"the request failed on {len(self.failures)} worker(s) "

@@ -141,7 +141,8 @@ class RequestFlow:
                         yield item
                 return
             except WorkerFailure as failure:
-                self._abort(self.migrations.record_failure(failure.worker, failure.message))
+                self._abort(self.migrations.record_failure(failure.worker.address,
+                                                          failure.message))
                 self.metrics.request_migrations.labels(cause=failure.cause).inc()
                 logger.warning("request %s: %s; migrating it after %d streamed tokens "
                                "(migration %d of at most %d)", self.request.request_id,
