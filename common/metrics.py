@@ -143,6 +143,10 @@ class RouterMetrics(_Metrics):
             "Workers taken out of the routing pool, by cause: unreachable, not_serving, "
             "failed_checks (too many in a row), request (a request failed), stall.",
             ("worker", "role", "cause"))
+        self.request_migrations = self._counter(
+            "tandem:request_migrations",
+            "Requests moved to another worker after theirs failed, by cause: stall, "
+            "unavailable (connection lost, worker gone), stream_ended, error.", ("cause",))
         self.worker_rejoins = self._counter(
             "tandem:worker_rejoins", "Ejected workers back in the routing pool after a good "
             "check.", ("worker", "role"))

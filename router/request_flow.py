@@ -1,21 +1,26 @@
 """One request's trip through the workers: prefill on P, decode on D (or both on one
 aggregated worker), relaying tokens to the client as chunks.
 
-Workers know the request by `worker_request_id`, unique per call, never by the client's id:
-two calls with one client id cannot touch each other's work. Whatever ends the call early
-(client cancel, deadline, a stop string, a worker failure), every worker the request reached
-gets an explicit Abort: closing a stream alone is not relied on.
+Workers know the request by a worker-side id, unique per call and per attempt (migration.py),
+never by the client's id: two calls with one client id cannot touch each other's work.
+Whatever ends the call early (client cancel, deadline, a stop string, a worker failure), every
+worker the request reached gets an explicit Abort: closing a stream alone is not relied on.
 
-A worker that fails mid-request (an RPC error, or a stall: no first token within
-`StallLimits.first_token_timeout`, no next token within `max_token_gap_seconds`) is ejected
-from the pool and raises WorkerFailure, which ends the call with UNAVAILABLE naming it. That
-exception is where a retry on another worker (with the tokens streamed so far) plugs in.
+A worker that fails mid-request (an RPC error, a lost connection, a stream that ends early, or
+a stall: no first token within `StallLimits.first_token_timeout`, no next token within
+`max_token_gap_seconds`) raises WorkerFailure; a failure that is not the request's own fault
+also ejects it from the pool. The request then migrates, up to `migration_limit` times: with
+no token streamed yet it starts over (prefill on another prefill worker, or on an aggregated
+one); otherwise another decode (or both) worker gets the prompt plus every token streamed so
+far, computes their KV itself and continues, so the client sees one unbroken stream (the
+worker counts those tokens as output: a seeded request's random stream goes on unchanged).
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +30,7 @@ from tandem.common.convert import (engine_params_to_proto, finish_reason_from_pr
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.sampling_params import SamplingParams
+from tandem.router.migration import Attempt, MigrationLog
 from tandem.router.output import OutputAssembler
 from tandem.router.validation import RequestError
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
@@ -65,7 +71,8 @@ class StallLimits:
 
 class WorkerFailure(RequestError):
     """A worker failed or stalled during the request (and was ejected, unless the failure
-    looked like the request's own: an INTERNAL error, say)."""
+    looked like the request's own: an INTERNAL error, say). `cause` labels the migration
+    metric: stall, unavailable (connection lost, worker gone), stream_ended, error."""
 
     def __init__(self, worker: WorkerEndpoint, cause: str, message: str) -> None:
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
@@ -86,14 +93,15 @@ class RequestContext:
 
 class RequestFlow:
     def __init__(self, pool: WorkerPool, tokenizer, request: RequestContext, context,
-                 metrics: RouterMetrics, stall: StallLimits = StallLimits()) -> None:
+                 metrics: RouterMetrics, stall: StallLimits = StallLimits(),
+                 migration_limit: int = 3) -> None:
         self.pool = pool
         self.stall = stall
         self.metrics = metrics
         self.request = request
         self.context = context
         self.output = OutputAssembler(tokenizer, request.prompt_token_ids, request.stop_strings)
-        self.reached: list[WorkerEndpoint] = []
+        self.migrations = MigrationLog(request.worker_request_id, migration_limit)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
@@ -103,31 +111,54 @@ class RequestFlow:
     async def responses(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
         is_done_on_workers = False
         try:
-            if self.pool.healthy("prefill") and self.pool.healthy("decode"):
-                stream = self._disaggregated()
-            elif self.pool.healthy("both"):
-                stream = self._aggregated()
-            else:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   "no healthy workers: need a prefill and a decode worker, "
-                                   "or an aggregated (both) worker")
             finish_reason = None
-            async for token_ids, logprobs, finish_reason in stream:
-                chunk = self._add(token_ids, logprobs)
-                if chunk is not None:
-                    yield generate_pb2.GenerateResponse(chunk=chunk)
-                if self.output.matched_stop is not None:
-                    finish_reason = "stop"
-                    break
-            else:
-                is_done_on_workers = True
+            async with aclosing(self._migrating()) as stream:
+                async for token_ids, logprobs, finish_reason in stream:
+                    chunk = self._add(token_ids, logprobs)
+                    if chunk is not None:
+                        yield generate_pb2.GenerateResponse(chunk=chunk)
+                    if self.output.matched_stop is not None:
+                        finish_reason = "stop"
+                        break
+                else:
+                    is_done_on_workers = True
             tail = self.output.finish()
             if tail is not None:
                 yield generate_pb2.GenerateResponse(chunk=tail)
             yield generate_pb2.GenerateResponse(complete=self._complete(finish_reason))
         finally:
             if not is_done_on_workers:
-                self._abort_everywhere()
+                self._abort(self.migrations.current)
+
+    async def _migrating(self):
+        """(token_ids, logprobs, finish_reason) until the request finishes, moving it to
+        another worker each time one fails (up to the migration limit)."""
+        while True:
+            try:
+                stream = self._continued() if self.output.token_ids else self._started()
+                async with aclosing(stream):
+                    async for item in stream:
+                        yield item
+                return
+            except WorkerFailure as failure:
+                self._abort(self.migrations.record_failure(failure.worker.address,
+                                                          failure.message))
+                self.metrics.request_migrations.labels(cause=failure.cause).inc()
+                logger.warning("request %s: %s; migrating it after %d streamed tokens "
+                               "(migration %d of at most %d)", self.request.request_id,
+                               failure.message, len(self.output.token_ids),
+                               self.migrations.num_migrations,
+                               self.migrations.migration_limit)
+
+    def _started(self):
+        """The request from its prompt: disaggregated when a prefill and a decode worker are
+        available (not failed for this request), else on an aggregated worker."""
+        if self._candidates("prefill") and self._candidates("decode"):
+            return self._disaggregated()
+        if self._candidates("both"):
+            return self._aggregated()
+        raise self._no_worker("need a prefill and a decode worker, or an aggregated (both) "
+                              "worker")
 
     def _add(self, token_ids: list[int], logprobs) -> generate_pb2.Chunk | None:
         now = time.monotonic()
@@ -156,12 +187,13 @@ class RequestFlow:
             m.ttft_part.labels(part=part).observe(seconds)
 
     async def _disaggregated(self):
-        prefill = self._pick("prefill")
+        attempt = self.migrations.current
+        prefill = self._pick(attempt, "prefill")
         params = engine_params_to_proto(self.request.params)
         prefill.num_in_flight += 1
         try:
             reply = await self._call(prefill, prefill.stub.Prefill(worker_pb2.PrefillRequest(
-                request_id=self.request.worker_request_id,
+                request_id=attempt.request_id,
                 prompt_token_ids=self.request.prompt_token_ids, params=params, keep_kv=True),
                 timeout=self.context.time_remaining()), self._first_token_timeout(),
                 "the first token")
@@ -174,26 +206,47 @@ class RequestFlow:
         yield [reply.token_id], [reply.logprob] if reply.HasField("logprob") else [], finish
         if finish is not None:
             return
-        decode = self._pick("decode")
+        decode = self._pick(attempt, "decode")
         call = decode.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=self.request.worker_request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
+            request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
             generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle),
             timeout=self.context.time_remaining())
-        async for item in self._relay(decode, call):
-            yield item
+        async with aclosing(self._relay(decode, call, self._first_token_timeout())) as relay:
+            async for item in relay:
+                yield item
 
     async def _aggregated(self):
-        worker = self._pick("both")
+        attempt = self.migrations.current
+        worker = self._pick(attempt, "both")
         call = worker.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=self.request.worker_request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
+            request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
             params=engine_params_to_proto(self.request.params)),
             timeout=self.context.time_remaining())
-        async for item in self._relay(worker, call):
-            yield item
+        async with aclosing(self._relay(worker, call, self._first_token_timeout())) as relay:
+            async for item in relay:
+                yield item
 
-    async def _relay(self, worker: WorkerEndpoint, call):
+    async def _continued(self):
+        """The request after a failure mid-stream: a decode (or both) worker computes the KV
+        of the prompt and of every token streamed so far, then generates the rest."""
+        generated = list(self.output.token_ids)
+        if len(generated) >= self.request.params.max_tokens:
+            yield [], [], "length"  # the failed worker died before saying it was done
+            return
+        attempt = self.migrations.current
+        worker = self._pick(attempt, "decode", "both")
+        call = worker.stub.Decode(worker_pb2.DecodeRequest(
+            request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
+            generated_token_ids=generated,
+            params=engine_params_to_proto(self.request.params)),
+            timeout=self.context.time_remaining())
+        first_token_timeout = self.stall.first_token_timeout(
+            len(self.request.prompt_token_ids) + len(generated))
+        async with aclosing(self._relay(worker, call, first_token_timeout)) as relay:
+            async for item in relay:
+                yield item
+
+    async def _relay(self, worker: WorkerEndpoint, call, first_token_timeout: float | None):
         worker.num_in_flight += 1
         try:
             is_first = True
@@ -202,14 +255,14 @@ class RequestFlow:
                 # allowance; every later one a single decode step.
                 message = await self._call(
                     worker, call.read(),
-                    self._first_token_timeout() if is_first else self.stall.token_gap_timeout,
+                    first_token_timeout if is_first else self.stall.token_gap_timeout,
                     "a message" if is_first else "the next token")
                 if message is grpc.aio.EOF:
                     self.pool.mark_failed(worker, "ended a stream unfinished")
-                    raise WorkerFailure(worker, "request",
+                    raise WorkerFailure(worker, "stream_ended",
                                         f"{worker.role} worker {worker.address} ended the "
                                         "stream without finishing the request")
-                if is_first and worker.role == "both":
+                if is_first and worker.role == "both" and not self.output.token_ids:
                     self.num_cached_tokens = message.num_cached_tokens
                 is_first = False
                 finish = finish_reason_from_proto(message.finish_reason)
@@ -220,13 +273,25 @@ class RequestFlow:
             worker.num_in_flight -= 1
             call.cancel()
 
-    def _pick(self, role: str) -> WorkerEndpoint:
-        worker = self.pool.pick(role)
+    def _candidates(self, *roles: str) -> list[WorkerEndpoint]:
+        """Healthy workers of these roles that have not failed this request."""
+        failed = self.migrations.failed_addresses
+        return [w for role in roles for w in self.pool.healthy(role) if w.address not in failed]
+
+    def _pick(self, attempt: Attempt, *roles: str) -> WorkerEndpoint:
+        worker = self.pool.pick(*roles, exclude=self.migrations.failed_addresses)
         if worker is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
-        self.reached.append(worker)
-        self.metrics.routing_decisions.labels(worker=worker.address, role=role).inc()
+            raise self._no_worker(f"no healthy {' or '.join(roles)} worker")
+        attempt.workers.append(worker)
+        self.metrics.routing_decisions.labels(worker=worker.address, role=worker.role).inc()
         return worker
+
+    def _no_worker(self, need: str) -> RequestError:
+        message = f"no healthy workers: {need}"
+        if self.migrations.failures:
+            message = self.migrations.describe(f"{message} to move the request to after "
+                                               f"{len(self.migrations.failures)} failure(s)")
+        return RequestError(grpc.StatusCode.UNAVAILABLE, message)
 
     def _first_token_timeout(self) -> float | None:
         return self.stall.first_token_timeout(len(self.request.prompt_token_ids))
@@ -247,20 +312,24 @@ class RequestFlow:
             code = exc.code()
             if code in _PASSED_THROUGH:
                 raise RequestError(code, exc.details() or code.name) from exc
+            cause = "error"
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                         grpc.StatusCode.UNKNOWN):
                 self.pool.mark_failed(worker, f"{code.name}: {exc.details()}")
-            raise WorkerFailure(worker, "request",
+                cause = "unavailable"
+            raise WorkerFailure(worker, cause,
                                 f"{worker.role} worker {worker.address} failed: {code.name}: "
                                 f"{exc.details()}") from exc
 
-    def _abort_everywhere(self) -> None:
-        for worker in self.reached:
+    def _abort(self, attempt: Attempt) -> None:
+        """Fire-and-forget Abort of `attempt` on every worker it reached (once per attempt)."""
+        for worker in attempt.workers:
             task = asyncio.ensure_future(worker.stub.Abort(
-                worker_pb2.AbortRequest(request_id=self.request.worker_request_id),
+                worker_pb2.AbortRequest(request_id=attempt.request_id),
                 timeout=ABORT_TIMEOUT_SECONDS))
             _background.add(task)
             task.add_done_callback(_finish_abort)
+        attempt.workers = []
 
     def _complete(self, finish_reason: str | None) -> generate_pb2.Complete:
         now = time.monotonic()
@@ -278,7 +347,8 @@ class RequestFlow:
             matched_stop=self.output.matched_stop or "",
             usage=generate_pb2.Usage(prompt_tokens=len(self.request.prompt_token_ids),
                                      completion_tokens=num_tokens,
-                                     cached_prompt_tokens=self.num_cached_tokens),
+                                     cached_prompt_tokens=self.num_cached_tokens,
+                                     num_migrations=self.migrations.num_migrations),
             timings=generate_pb2.Timings(
                 queue_seconds=self.request.queue_seconds,
                 time_to_first_token_seconds=first - arrival,

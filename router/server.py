@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker), plus --first-token-timeout-per-1k-tokens (0: off)")
     p.add_argument("--first-token-timeout-per-1k-tokens", type=float, default=60.0,
                    help="seconds added to --first-token-timeout-seconds per 1000 prompt tokens")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request may move to another worker after its worker fails or "
+                        "stalls (a stream continues from the tokens already sent); past it "
+                        "the call ends UNAVAILABLE naming every attempt (0: no migration)")
     p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
     p.add_argument("--tls-cert", help="the router's certificate (PEM); with --tls-key and "
                    "--tls-ca, mutual TLS on the public port and towards the workers")
@@ -116,7 +120,8 @@ async def serve(args: argparse.Namespace) -> None:
                       internal_token)
     await pool.start()
     servicer = GenerateServicer(frontend, pool,
-                                Admission(args.max_concurrency, args.max_queue), metrics, stall)
+                                Admission(args.max_concurrency, args.max_queue), metrics, stall,
+                                args.migration_limit)
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)

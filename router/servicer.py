@@ -62,9 +62,13 @@ def worker_request_id(client_request_id: str) -> str:
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, frontend: ModelFrontend, pool: WorkerPool, admission: Admission,
-                 metrics: RouterMetrics, stall: StallLimits = StallLimits()) -> None:
+                 metrics: RouterMetrics, stall: StallLimits = StallLimits(),
+                 migration_limit: int = 3) -> None:
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit={migration_limit} must be >= 0")
         self.frontend = frontend
         self.stall = stall
+        self.migration_limit = migration_limit
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
@@ -108,7 +112,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 self.metrics.prompt_tokens.inc(len(prompt))
                 flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
                     request_id, worker_id, prompt, params, list(request.stop.stop), arrival,
-                    queue_seconds), context, self.metrics, self.stall)
+                    queue_seconds), context, self.metrics, self.stall, self.migration_limit)
                 async for response in flow.responses():
                     yield response
         except RequestError as exc:

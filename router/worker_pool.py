@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -137,9 +138,10 @@ class WorkerPool:
     def healthy(self, role: str) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role == role and w.is_healthy]
 
-    def pick(self, role: str) -> WorkerEndpoint | None:
-        """The least loaded healthy worker of a role (load-aware; prefix affinity comes later)."""
-        candidates = self.healthy(role)
+    def pick(self, *roles: str, exclude: Collection[str] = ()) -> WorkerEndpoint | None:
+        """The least loaded healthy worker of these roles whose address is not in `exclude`
+        (load-aware; prefix affinity comes later)."""
+        candidates = [w for role in roles for w in self.healthy(role) if w.address not in exclude]
         return min(candidates, key=lambda w: w.score) if candidates else None
 
     def mark_failed(self, worker: WorkerEndpoint, reason: str, cause: str = "request") -> None:

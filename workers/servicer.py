@@ -9,7 +9,6 @@ the abort and leave the request generating to max_tokens.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import grpc
@@ -117,12 +116,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             pull_seconds = 0.0
             if request.HasField("kv_handle"):
                 pull_seconds = await self._receive_kv(request, params, prompt, generated, context)
-            else:  # compute the prompt (and any tokens generated elsewhere) here
-                if generated:
-                    params = dataclasses.replace(
-                        params, max_tokens=params.max_tokens - len(generated),
-                        min_tokens=max(0, params.min_tokens - len(generated)))
-                await self._add(context, prompt + generated, params, request_id,
+            elif generated:  # migrated: compute the prompt and the tokens made elsewhere
+                await self._resume(context, prompt, generated, params, request_id)
+            else:
+                await self._add(context, prompt, params, request_id,
                                 deadline=_deadline(context))
             is_first = True
             while not finished:
@@ -201,6 +198,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             await self.engine.call(lambda e: e.add_request(token_ids, params, request_id,
                                                            **kwargs))
+        except OutOfRangeError as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except AlreadyExistsError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _resume(self, context, prompt, generated, params, request_id) -> None:
+        try:
+            await self.engine.call(lambda e: e.resume_request(
+                prompt, generated, params, request_id, deadline=_deadline(context)))
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except AlreadyExistsError as exc:

@@ -165,6 +165,34 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def resume_request(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                       params: SamplingParams, request_id: str, *,
+                       deadline: float | None = None) -> Sequence:
+        """Queue a request that another worker started and could not finish (migration).
+
+        The tokens it generated there join the sequence as completion tokens, and their KV is
+        computed here with the prompt's, as after a preemption. So max_tokens, min_tokens,
+        penalties, stop checks and a seeded request's random stream (its earlier draws are
+        consumed) go on exactly as if one engine had run the whole request.
+        """
+        num_total = len(prompt_token_ids) + len(generated_token_ids)
+        if num_total >= self.resolved.max_model_len:
+            raise OutOfRangeError(f"prompt and generated tokens come to {num_total}; "
+                                  f"max_model_len={self.resolved.max_model_len} leaves no room "
+                                  "to generate")
+        if len(generated_token_ids) >= params.max_tokens:
+            raise OutOfRangeError(f"{len(generated_token_ids)} generated tokens already reach "
+                                  f"max_tokens={params.max_tokens}")
+        vocab = self.resolved.vocab_size
+        bad = [t for t in generated_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise OutOfRangeError(f"generated token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
+        seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
+        seq.token_ids.extend(generated_token_ids)  # still WAITING: no blocks yet
+        advance_request_generator(seq, len(generated_token_ids), vocab, self.resolved.device)
+        return seq
+
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, pinned, receiving KV) and free its
         blocks; False if it is unknown or already finished."""
