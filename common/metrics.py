@@ -201,6 +201,8 @@ class WorkerMetrics(_Metrics):
                                                "KV bytes pulled from prefill workers.")
         self.kv_transfer_failures = self._counter("tandem:kv_transfer_failures",
                                                   "KV pulls that failed.")
+        self.kv_pull_recomputes = self._counter(
+            "tandem:kv_pull_recomputes", "Prompts computed here after their KV pull failed.")
         self.jit_compiles = self._counter(
             "tandem:jit_compiles", "Triton kernel variants compiled, at startup or while "
             "serving (a serving compile stalls the engine step).", ("phase",))

@@ -37,7 +37,8 @@ from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, chec
                                          nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.ops.jit_compiles import JitCompileWatch
-from tandem.workers.servicer import ROLES, PeerChannels, WorkerServicer
+from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, ROLES, PeerChannels,
+                                      WorkerServicer)
 
 logger = get_logger("tandem.worker")
 SERVICE_NAMES = (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tensor-parallel-size N: partition the experts over the N "
                         "ranks instead of slicing every expert")
     p.add_argument("--shutdown-grace-seconds", type=float, default=10.0)
+    p.add_argument("--kv-pull-failure", choices=KV_PULL_FAILURE_POLICIES, default="recompute",
+                   help="when a decode worker cannot pull a prompt's KV (its prefill worker "
+                        "is gone, the lease expired, the transfer failed or timed out): "
+                        "recompute the prompt here and continue the stream, or fail the "
+                        "call UNAVAILABLE (the router then migrates it)")
     p.add_argument("--max-step-stall-seconds", type=float, default=300.0,
                    help="health turns NOT_SERVING while one engine step or command has run "
                         "this long (or the engine thread died). A step is at most one "
@@ -209,7 +215,8 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
                        metrics, kv_receiver=receiver, kv_transports=transports,
                        cuda_ipc_endpoint=exporter.endpoint if exporter else None,
-                       nixl_endpoint=nixl_agent.endpoint if nixl_agent else None), server)
+                       nixl_endpoint=nixl_agent.endpoint if nixl_agent else None,
+                       kv_pull_failure=args.kv_pull_failure), server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
         KVTransferServicer(async_engine, layout, blocks, exporter, nixl_agent), server)
     health_servicer = health.aio.HealthServicer()

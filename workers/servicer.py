@@ -28,6 +28,9 @@ from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 
 logger = get_logger(__name__)
 ROLES = ("prefill", "decode", "both")
+# What a decode worker does when it cannot pull a prompt's KV: compute it locally and go on,
+# or fail the call UNAVAILABLE.
+KV_PULL_FAILURE_POLICIES = ("recompute", "fail")
 # How long a decode request waits for free KV blocks before RESOURCE_EXHAUSTED.
 MAX_BLOCK_WAIT_SECONDS = 30.0
 
@@ -58,9 +61,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  metrics: WorkerMetrics | None = None, kv_receiver=None,
                  kv_transports: list[str] | None = None,
                  cuda_ipc_endpoint: worker_pb2.CudaIpcEndpoint | None = None,
-                 nixl_endpoint: worker_pb2.NixlEndpoint | None = None) -> None:
+                 nixl_endpoint: worker_pb2.NixlEndpoint | None = None,
+                 kv_pull_failure: str = "recompute") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
+        if kv_pull_failure not in KV_PULL_FAILURE_POLICIES:
+            raise ValueError(f"kv_pull_failure={kv_pull_failure!r} is not one of "
+                             f"{', '.join(KV_PULL_FAILURE_POLICIES)}")
         self.engine = engine
         self.role = role
         self.model_name = model_name
@@ -73,6 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
         self.cuda_ipc_endpoint = cuda_ipc_endpoint
         self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
+        self.kv_pull_failure = kv_pull_failure
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
 
@@ -272,10 +280,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 KVTransferFailed) as exc:
             if self.metrics is not None:
                 self.metrics.kv_transfer_failures.inc()
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self._abort_soon(request.request_id)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"KV pull from {handle.source_address} failed: {detail}")
+            is_rpc_error = isinstance(exc, grpc.aio.AioRpcError)
+            detail = exc.details() if is_rpc_error else str(exc)
+            message = f"KV pull from {handle.source_address} failed: {detail}"
+            if is_rpc_error and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # The source cannot fill our layout: a configuration error, not a transient.
+                self._abort_soon(request.request_id)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+            if self.kv_pull_failure == "fail":
+                self._abort_soon(request.request_id)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            await self._recompute(context, seq, prompt, generated, params, message)
+            return 0.0
         seconds = time.monotonic() - started
         if self.metrics is not None:
             self.metrics.kv_transfer_time.observe(seconds)
@@ -285,6 +301,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._background(release_kv(channel, handle.handle_id))
         await self.engine.call(lambda e: e.activate_prefilled(seq, handle.num_tokens))
         return seconds
+
+    async def _recompute(self, context, seq, prompt, generated, params, message) -> None:
+        """Replace a receiving sequence whose pull failed by one that computes the prompt here:
+        one engine command aborts it (freeing its reserved blocks) and resumes the request
+        under the same id, as a migrated request resumes, so the stream's tokens are those of
+        an undisturbed run."""
+        request_id = seq.request_id
+        logger.warning("%s; recomputing %d prompt tokens of %s here", message, len(prompt),
+                       request_id)
+        if self.metrics is not None:
+            self.metrics.kv_pull_recomputes.inc()
+        deadline = _deadline(context)
+
+        def abort_and_resume(engine):
+            engine.abort(request_id)
+            return engine.resume_request(prompt, generated, params, request_id,
+                                         deadline=deadline)
+        try:
+            await self.engine.call(abort_and_resume)
+        except OutOfRangeError as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _reserve(self, context, prompt, generated, params, request_id):
         deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS

@@ -1,7 +1,8 @@
 """router -> prefill -> decode with `--kv-transfer nixl` on CPU: the prompt's KV moves by NIXL
-READs (UCX between two worker processes), the greedy tokens equal transformers', and a pull
-that cannot complete (handle released, source gone) fails the decode request with UNAVAILABLE
-naming the source, leaving no KV block behind on the decode worker."""
+READs (UCX between two worker processes), the greedy tokens equal transformers', and with
+`--kv-pull-failure fail` a pull that cannot complete (handle released, source gone) fails the
+decode request with UNAVAILABLE naming the source, leaving no KV block behind on the decode
+worker."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -25,7 +26,8 @@ if not is_installed():
 @pytest.fixture(scope="module")
 def nixl_stack(checkpoint, tmp_path_factory):
     stack = start_stack(checkpoint("llama").path, tmp_path_factory.mktemp("nixl_logs"),
-                        worker_args=["--kv-transfer", "nixl", "--kv-lease-seconds", "5"])
+                        worker_args=["--kv-transfer", "nixl", "--kv-lease-seconds", "5",
+                                     "--kv-pull-failure", "fail"])
     yield stack
     stop(stack.processes)
 
