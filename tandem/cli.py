@@ -30,8 +30,10 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--kv-transfer", str),
                 ("--no-prefix-caching", "switch"), ("--tensor-parallel-size", int),
                 ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
-                ("--load-format", str)]
-ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int)]
+                ("--load-format", str), ("--max-step-stall-seconds", float),
+                ("--kv-pull-failure", str)]
+ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int),
+                ("--migration-limit", int)]
 # `tandem up` security flags: TLS goes to every process, the public token to the router.
 TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
              ("--tls-server-name", str)]

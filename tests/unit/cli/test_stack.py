@@ -253,6 +253,25 @@ def test_up_passes_parallel_flags_to_every_worker_and_the_worker_accepts_them():
     assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.WORKER_FLAGS) == []
 
 
+def test_up_passes_reliability_flags_to_the_workers_and_the_router_that_accept_them():
+    from tandem.router.server import build_parser as router_parser
+    from tandem.workers.server import build_parser as worker_parser
+
+    args = cli.build_parser().parse_args(["up", "--model", "/m", "--migration-limit", "0",
+                                          "--max-step-stall-seconds", "20",
+                                          "--kv-pull-failure", "fail"])
+    flags = cli._passed_flags(args, cli.WORKER_FLAGS)
+    assert flags == ["--max-step-stall-seconds", "20.0", "--kv-pull-failure", "fail"]
+    worker = worker_parser().parse_args(["--role", "decode", "--model", "/m", "--port", "1",
+                                         *flags])
+    assert worker.max_step_stall_seconds == 20 and worker.kv_pull_failure == "fail"
+    flags = cli._passed_flags(args, cli.ROUTER_FLAGS)
+    assert flags == ["--migration-limit", "0"]
+    assert router_parser().parse_args(["--model", "/m", *flags]).migration_limit == 0
+    defaults = worker_parser().parse_args(["--role", "decode", "--model", "/m", "--port", "1"])
+    assert defaults.kv_pull_failure == "recompute"
+
+
 def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_fractions(
         tmp_path, capsys):
     from tandem.workers.server import build_parser, engine_config
