@@ -155,6 +155,21 @@ def test_gpu_resources_images_and_parallel_flags(rendered):
             assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
 
 
+def test_reliability_flags_only_when_set(rendered):
+    """router.migrationLimit and <tier>.engine.kvPullFailure / maxStepStallSeconds render as
+    their flags when set (nvidia-tp2 sets them); unset, the processes' defaults apply."""
+    for name, (_, docs) in rendered.items():
+        tp2 = name == "nvidia-tp2"
+        (router,) = of_kind(docs, "Deployment")
+        assert flag_value(main_container(router)["args"], "--migration-limit") == (
+            "1" if tp2 else None), name
+        for sts in of_kind(docs, "StatefulSet"):
+            args = main_container(sts)["args"]
+            is_set = tp2 and flag_value(args, "--role") == "decode"
+            assert flag_value(args, "--kv-pull-failure") == ("fail" if is_set else None), name
+            assert flag_value(args, "--max-step-stall-seconds") == ("20" if is_set else None)
+
+
 def test_tls_flags_and_mount_only_when_enabled(rendered):
     for name, (_, docs) in rendered.items():
         for workload in workloads(docs):
