@@ -1,14 +1,19 @@
 """A decode worker whose KV pull fails computes the prompt itself (`--kv-pull-failure
 recompute`, the default) and streams the tokens of an undisturbed run, ending idle; with
-`--kv-pull-failure fail` the call ends UNAVAILABLE as before."""
+`--kv-pull-failure fail` the call ends UNAVAILABLE as before. Through the router, a prefill
+worker killed between its answer and the pull costs the client nothing."""
 from __future__ import annotations
 
+import threading
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers.client import worker_load
-from helpers.processes import free_port, start, stop, wait_serving
+from helpers.client import generate, worker_load
+from helpers.client import request as client_request
+from helpers.processes import free_port, start, start_stack, stop, wait_serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import SamplingParams
@@ -145,3 +150,85 @@ def test_with_kv_pull_failure_fail_a_dead_source_ends_unavailable(workers):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert f"KV pull from {dead.source_address} failed" in info.value.details()
     assert_idle(decode_address)
+
+
+class HangingKVSource(worker_pb2_grpc.KVTransferServicer):
+    """A KV source whose pulls hang until `release` is set: a decode worker pulling from it
+    holds the blocks it reserved for that pull."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def PullKV(self, request, context):  # noqa: N802 (gRPC's naming)
+        self.release.wait(120)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "hanging source released")
+
+
+@pytest.mark.slow
+def test_through_the_router_a_prefill_worker_killed_before_the_pull_costs_nothing(
+        checkpoint, tmp_path):
+    """1 prefill + 1 decode worker with 8 KV blocks. A pull from a hanging source holds 7 of
+    them, so the routed request's decode waits for blocks after its Prefill answered; the
+    prefill worker is SIGKILLed then, the hog is cancelled, and the decode worker's pull
+    fails: it recomputes the prompt, and the client gets the undisturbed tokens with no
+    migration."""
+    stack = start_stack(checkpoint("llama").path, tmp_path, role_args={
+        "decode": ["--num-kv-blocks", "8", "--max-model-len", "128"]})
+    hanging = HangingKVSource()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_KVTransferServicer_to_server(hanging, server)
+    hanging_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        prefill_worker, decode_worker = stack.workers["prefill-0"], stack.workers["decode-0"]
+        message = client_request(PROMPT, max_tokens=60)
+        undisturbed = generate(stack.router.address, message)
+        hog_prompt = [2, *range(200, 299)]  # 100 tokens + its first token: 7 blocks
+        hog_first = prefill_hog(prefill_worker.address, hog_prompt)
+        release(prefill_worker.address, "hog")
+        hog_handle = worker_pb2.KVHandle()
+        hog_handle.CopyFrom(hog_first.kv_handle)
+        hog_handle.source_address = f"127.0.0.1:{hanging_port}"
+        hog_message = worker_pb2.DecodeRequest(
+            request_id="hog", prompt_token_ids=hog_prompt,
+            generated_token_ids=[hog_first.token_id], params=params(None))
+        hog_message.kv_handle.CopyFrom(hog_handle)
+        with grpc.insecure_channel(decode_worker.address) as channel:
+            hog = worker_pb2_grpc.WorkerStub(channel).Decode(hog_message, timeout=120)
+            wait_until(lambda: worker_load(decode_worker.address).num_free_blocks <= 1, 30)
+            outcome: dict = {}
+            thread = threading.Thread(target=lambda: outcome.update(
+                result=generate(stack.router.address, message, timeout=120)), daemon=True)
+            thread.start()
+            wait_until(lambda: worker_load(prefill_worker.address).num_pinned == 1, 30)
+            prefill_worker.popen.kill()
+            prefill_worker.popen.wait(10)
+            hog.cancel()
+        hanging.release.set()
+        thread.join(120)
+        result = outcome.get("result")
+        assert result is not None, f"router log:\n{stack.router.log_tail()}"
+        assert result.token_ids == undisturbed.token_ids
+        assert result.complete.usage.num_migrations == 0
+        log = decode_worker.log_path.read_text()
+        assert f"KV pull from {prefill_worker.address} failed" in log
+        assert_idle(decode_worker.address)
+    finally:
+        hanging.release.set()
+        server.stop(0)
+        stop(stack.processes)
+
+
+def prefill_hog(address: str, prompt: list[int]) -> worker_pb2.PrefillResponse:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
+            request_id="hog", prompt_token_ids=prompt, params=params(None), keep_kv=True),
+            timeout=60)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> None:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"condition not met within {timeout} s")
+        time.sleep(interval)
