@@ -254,7 +254,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _receive_kv(self, request, params, prompt, generated, context) -> float:
         """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
-        and start decoding. Returns the seconds the pull took."""
+        and start decoding. A pull that fails (source gone, lease expired, transfer failed)
+        makes the prompt computed here (`recompute`) or fails the call UNAVAILABLE (`fail`).
+        Returns the seconds the pull took (0 after a recompute)."""
         handle = request.kv_handle
         if handle.backend != "grpc" and "grpc" not in handle.transports:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
