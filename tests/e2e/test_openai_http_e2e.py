@@ -229,7 +229,8 @@ def test_disconnect_mid_stream_frees_kv_on_every_worker(http_stack, client, mode
 
 @pytest.fixture(scope="module")
 def guarded_router(http_stack, checkpoint, tmp_path_factory):
-    """A second router on the same workers, requiring a bearer token on HTTP and gRPC."""
+    """A second router on the same workers, requiring a bearer token on HTTP and gRPC, and
+    admitting one request at a time with no queue."""
     log_dir = tmp_path_factory.mktemp("guarded_logs")
     (log_dir / "token").write_text(TOKEN + "\n")
     (log_dir / "internal").write_text("internal-unused\n")
@@ -238,7 +239,8 @@ def guarded_router(http_stack, checkpoint, tmp_path_factory):
     router = start("guarded-router", [
         "tandem.router.server", "--model", str(checkpoint("llama").path), "--port", str(port),
         "--http-port", str(http_port), "--auth-token-file", str(log_dir / "token"),
-        "--internal-token-file", str(log_dir / "internal"),
+        "--internal-token-file", str(log_dir / "internal"), "--max-concurrency", "1",
+        "--max-queue", "0",
         "--prefill", workers["prefill-0"].address, "--decode", workers["decode-0"].address],
         port, log_dir)
     try:
@@ -260,3 +262,45 @@ def test_bearer_token_guards_the_api_but_not_health(guarded_router):
     assert reply.usage.completion_tokens >= 1
     assert _get(f"{guarded_router}/health")[0] == 200
 
+
+
+def test_a_full_router_answers_429_with_retry_after(guarded_router):
+    client = openai.OpenAI(base_url=f"{guarded_router}/v1", api_key=TOKEN, max_retries=0)
+    model = client.models.list().data[0].id
+    stream = client.completions.create(model=model, prompt="The quick brown fox",
+                                       max_tokens=450, stream=True,
+                                       extra_body={"min_tokens": 450})
+    try:
+        next(iter(stream))  # it holds the only slot now
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=model, prompt=[1, 2], max_tokens=2)
+        assert info.value.status_code == 429 and info.value.body["code"] == "RESOURCE_EXHAUSTED"
+        assert int(info.value.response.headers["retry-after"]) >= 1
+    finally:
+        stream.close()
+
+
+def test_no_workers_is_503_and_health_says_so(checkpoint, tmp_path):
+    port, http_port = free_port(), free_port()
+    router = start("lonely-router", [
+        "tandem.router.server", "--model", str(checkpoint("llama").path), "--port", str(port),
+        "--http-port", str(http_port), "--both", f"127.0.0.1:{free_port()}"], port, tmp_path)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, body = _get(f"{url}/health")
+                break
+            except OSError:  # not listening yet
+                assert router.is_alive() and time.monotonic() < deadline, router.log_tail()
+                time.sleep(0.2)
+        assert (status, body) == (503, {"status": "unavailable"})
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=checkpoint("llama").path.name, prompt=[1, 2],
+                                      max_tokens=2)
+        assert info.value.status_code == 503 and info.value.body["code"] == "UNAVAILABLE"
+        assert "no healthy workers" in info.value.message
+    finally:
+        stop([router])
