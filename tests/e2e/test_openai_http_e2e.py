@@ -20,10 +20,12 @@ TOKEN = "http-e2e-token"
 
 @pytest.fixture(scope="module")
 def http_stack(checkpoint, tmp_path_factory):
-    port = free_port()
+    port, decode_metrics_port = free_port(), free_port()
     stack = start_stack(checkpoint("llama").path, tmp_path_factory.mktemp("http_logs"),
-                        router_args=["--http-port", str(port)])
+                        router_args=["--http-port", str(port)],
+                        role_args={"decode": ["--metrics-port", str(decode_metrics_port)]})
     stack.http_url = f"http://127.0.0.1:{port}"
+    stack.decode_metrics_url = f"http://127.0.0.1:{decode_metrics_port}/metrics"
     yield stack
     stop(stack.processes)
 
@@ -46,6 +48,16 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict]:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def _num_aborted(stack) -> float:
+    """Requests the decode worker ended as aborted (its Prometheus counter)."""
+    with urllib.request.urlopen(stack.decode_metrics_url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("tandem:requests_finished_total{") \
+                    and 'status="abort"' in line:
+                return float(line.split()[-1])
+    return 0.0
 
 
 def _workers_idle(stack) -> bool:
@@ -213,6 +225,7 @@ def test_out_of_vocabulary_prompt_is_a_400(client, model):
 
 
 def test_disconnect_mid_stream_frees_kv_on_every_worker(http_stack, client, model):
+    num_aborted = _num_aborted(http_stack)
     stream = client.completions.create(model=model, prompt="The quick brown fox",
                                        max_tokens=450, temperature=0.0, stream=True,
                                        extra_body={"min_tokens": 450})
@@ -225,6 +238,10 @@ def test_disconnect_mid_stream_frees_kv_on_every_worker(http_stack, client, mode
     while not _workers_idle(http_stack):
         assert time.monotonic() < deadline, "KV still held after the client went away"
         time.sleep(0.05)
+    # Aborted, not run to its 450 tokens. The worker exports its counters on engine steps:
+    # one more request brings the count up to date.
+    client.completions.create(model=model, prompt=[1, 2], max_tokens=2)
+    assert _num_aborted(http_stack) == num_aborted + 1
 
 
 @pytest.fixture(scope="module")
