@@ -2,12 +2,15 @@
 
 uvicorn's `Server.serve` installs its own SIGINT/SIGTERM handlers and re-raises the signal
 when it stops; the router handles signals itself (drain, then stop both servers), so this
-server captures none.
+server captures none. With TLS files it serves HTTPS with the router's certificate and, as the
+gRPC port does, requires a client certificate signed by the CA (mutual TLS).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+from dataclasses import dataclass
 
 import uvicorn
 
@@ -18,11 +21,23 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+@dataclass(frozen=True, slots=True)
+class TLSPaths:
+    cert: str  # PEM certificate chain
+    key: str  # its private key
+    ca: str  # the CA that signs client certificates
+
+
 class HTTPServer:
-    def __init__(self, app, host: str, port: int, grace_seconds: float) -> None:
+    def __init__(self, app, host: str, port: int, grace_seconds: float,
+                 tls: TLSPaths | None = None) -> None:
+        ssl_args = {} if tls is None else dict(
+            ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, host=host, port=port, loop="none", lifespan="off",
                                 log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=max(1, int(grace_seconds)))
+                                timeout_graceful_shutdown=max(1, int(grace_seconds)),
+                                **ssl_args)
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
 

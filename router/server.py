@@ -22,7 +22,7 @@ from tandem.common.metrics import RouterMetrics
 from tandem.common.security import BearerTokenInterceptor, TLSFiles, add_port, read_token
 from tandem.router.admission import Admission
 from tandem.router.ejection import HealthPolicy
-from tandem.router.http_server import HTTPServer
+from tandem.router.http_server import HTTPServer, TLSPaths
 from tandem.router.openai_api import create_app
 from tandem.router.request_flow import StallLimits
 from tandem.router.servicer import GenerateServicer, add_generate_service
@@ -107,9 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> None:
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
-    if tls is not None and args.http_port is not None:
-        raise ValueError("--http-port with TLS is not supported yet (the HTTP API serves plain "
-                         "HTTP only): drop --http-port or the --tls-* flags")
     token = read_token(args.auth_token_file)
     internal_token = read_token(args.internal_token_file, "--internal-token-file")
     if token and tls is None and internal_token is None:
@@ -174,10 +171,12 @@ async def serve(args: argparse.Namespace) -> None:
 async def start_http(servicer: GenerateServicer, token: str | None,
                      args: argparse.Namespace) -> HTTPServer:
     host = args.http_host or args.host
+    tls = TLSPaths(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     http_server = HTTPServer(create_app(servicer, token), host, args.http_port,
-                             args.shutdown_grace_seconds)
+                             args.shutdown_grace_seconds, tls)
     await http_server.start()
-    logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, args.http_port)
+    logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http",
+                host, args.http_port)
     return http_server
 
 

@@ -173,9 +173,6 @@ def run_up(args: argparse.Namespace) -> int:
             setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
     try:
         tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-        if tls is not None and args.http_port is not None:
-            raise ValueError("--http-port with TLS is not supported yet (the HTTP API serves "
-                             "plain HTTP only)")
         read_token(args.auth_token_file)
         read_token(args.internal_token_file, "--internal-token-file")
     except ValueError as exc:
@@ -220,11 +217,14 @@ def _run_planned_stack(args: argparse.Namespace, model: str, groups, tls) -> int
         lines += ["Try:", f"  tandem generate --router {dial_address(router.address)} "
                   f'{client_flags}"The capital of France is" --max-tokens 32']
         if args.http_port is not None:
-            url = f"http://{dial_address(f'{args.host}:{args.http_port}')}/v1"
+            scheme = "https" if tls is not None else "http"
+            url = f"{scheme}://{dial_address(f'{args.host}:{args.http_port}')}/v1"
             lines[2:2] = [f"  {'http':<10} {url}"]  # below the router's line
             auth = f"-H \"Authorization: Bearer $(cat {args.auth_token_file})\" " \
                 if args.auth_token_file else ""
-            lines += [f"  curl {auth}{url}/models"]
+            certs = f"--cacert {args.tls_ca} --cert {args.tls_cert} --key {args.tls_key} " \
+                if tls is not None else ""
+            lines += [f"  curl {certs}{auth}{url}/models"]
         lines += ["Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 

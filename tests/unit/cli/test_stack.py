@@ -300,7 +300,7 @@ def test_metrics_listen_on_loopback_unless_told():
     assert router.metrics_host == worker.metrics_host == router.host == worker.host == "127.0.0.1"
 
 
-def test_up_passes_http_port_to_the_router_and_refuses_it_with_tls(tmp_path, capsys):
+def test_up_passes_http_port_to_the_router(tmp_path, capsys):
     from tandem.router.server import build_parser as router_parser
 
     args = cli.build_parser().parse_args(["up", "--http-port", "8000"])
@@ -309,20 +309,10 @@ def test_up_passes_http_port_to_the_router_and_refuses_it_with_tls(tmp_path, cap
     router = router_parser().parse_args(["--model", "/m", "--host", "0.0.0.0", *flags])
     assert router.http_port == 8000 and router.http_host is None  # binds --host
     assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.HTTP_FLAGS) == []
-    pem = tmp_path / "x.pem"
-    pem.write_text("x")
-    assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
-                     "--http-port", str(free_port()), "--tls-cert", str(pem), "--tls-key",
-                     str(pem), "--tls-ca", str(pem)]) == 1
-    assert "--http-port with TLS is not supported" in capsys.readouterr().err
-
-
-def test_router_refuses_http_port_with_tls(tmp_path, capsys):
-    from tandem.router.server import main as router_main
-
-    pem = tmp_path / "x.pem"
-    pem.write_text("x")
-    assert router_main(["--model", str(tmp_path), "--http-port", str(free_port()),
-                        "--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca",
-                        str(pem)]) == 2
-    assert "--http-port with TLS is not supported" in capsys.readouterr().err
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
+                         "--http-port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
