@@ -2,7 +2,8 @@
 
 Every completion goes through `GenerateServicer.stream`, the path gRPC calls take: the same
 validation, tokenization, admission, routing, metrics and abort on every worker when the
-client goes away (a closed HTTP stream cancels the generator, as a cancelled RPC does).
+client goes away: a closed connection cancels the generators, as a cancelled RPC does, whether
+the response streams or not.
 
     POST /v1/chat/completions, POST /v1/completions   bearer token when configured
     GET  /v1/models                                    bearer token when configured
@@ -178,27 +179,28 @@ class OpenAIService:
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "tandem", "max_model_len": limits.max_model_len}]}
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         body.check()
-        return await self._complete(body, "chat")
+        return await self._complete(body, "chat", request)
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         body.check()
-        return await self._complete(body, "text")
+        return await self._complete(body, "text", request)
 
-    async def _complete(self, body, kind: str):
+    async def _complete(self, body, kind: str, http_request: Request):
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         requests = body.to_generate_requests(request_id)
         output = CompletionOutput(kind, request_id, self.model_name, body.n, self.logprobs,
                                   len(requests))
         if body.stream:
             streams = [self.servicer.stream(r, NO_DEADLINE) for r in requests]
-            firsts = await _first_responses(streams)
+            firsts = await _until_disconnect(http_request, _first_responses(streams))
             return StreamingResponse(
                 _sse(output, streams, firsts, body.include_usage),
                 media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            results = await _run_all([self.servicer.stream(r, NO_DEADLINE) for r in requests])
+            results = await _until_disconnect(
+                http_request, _run_all([self.servicer.stream(r, NO_DEADLINE) for r in requests]))
         except RequestError as exc:
             raise HTTPError.from_request_error(exc) from exc
         for index, responses in enumerate(results):
@@ -221,6 +223,28 @@ async def _run_all(streams) -> list[list[generate_pb2.GenerateResponse]]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(http_request: Request, work):
+    """`await work`, cancelled (the requests aborted on every worker) if the client
+    disconnects first. The body is already read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(http_request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise HTTPError(499, "the client closed the connection", code="CANCELLED")
+    return task.result()
+
+
+async def _disconnected(http_request: Request) -> None:
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _first_responses(streams) -> list[generate_pb2.GenerateResponse]:

@@ -2,7 +2,9 @@
 real router + prefill + decode stack on the tiny Llama (its tokenizer has a chat template)."""
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -241,6 +243,31 @@ def test_disconnect_mid_stream_frees_kv_on_every_worker(http_stack, client, mode
     # Aborted, not run to its 450 tokens. The worker exports its counters on engine steps:
     # one more request brings the count up to date.
     client.completions.create(model=model, prompt=[1, 2], max_tokens=2)
+    assert _num_aborted(http_stack) == num_aborted + 1
+
+
+def test_a_client_that_closes_before_a_whole_completion_aborts_it(http_stack, model):
+    num_aborted = _num_aborted(http_stack)
+    host, port = http_stack.http_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 500,
+                       "min_tokens": 500, "temperature": 0})
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    connection.request("POST", "/v1/completions", body,
+                       {"Content-Type": "application/json"})
+    # Wait until the request decodes, then hang up without reading the answer.
+    decode = http_stack.workers["decode-0"].address
+    deadline = time.monotonic() + 10.0
+    while worker_load(decode).num_running == 0:
+        assert time.monotonic() < deadline, "the request never reached the decode worker"
+        time.sleep(0.01)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    deadline = time.monotonic() + 5.0
+    while not _workers_idle(http_stack):
+        assert time.monotonic() < deadline, "KV still held after the client went away"
+        time.sleep(0.05)
+    openai.OpenAI(base_url=f"{http_stack.http_url}/v1", api_key="unused").completions.create(
+        model=model, prompt=[1, 2], max_tokens=2)  # the worker exports its counters on steps
     assert _num_aborted(http_stack) == num_aborted + 1
 
 
