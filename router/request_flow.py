@@ -125,6 +125,8 @@ class RequestFlow:
             tail = self.output.finish()
             if tail is not None:
                 yield generate_pb2.GenerateResponse(chunk=tail)
+            if self.output.matched_stop is not None:  # also found in the held-back text
+                finish_reason = "stop"
             yield generate_pb2.GenerateResponse(complete=self._complete(finish_reason))
         finally:
             if not is_done_on_workers:

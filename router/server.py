@@ -22,6 +22,8 @@ from tandem.common.metrics import RouterMetrics
 from tandem.common.security import BearerTokenInterceptor, TLSFiles, add_port, read_token
 from tandem.router.admission import Admission
 from tandem.router.ejection import HealthPolicy
+from tandem.router.http_server import HTTPServer, TLSPaths
+from tandem.router.openai_api import create_app
 from tandem.router.request_flow import StallLimits
 from tandem.router.servicer import GenerateServicer, add_generate_service
 from tandem.router.tokenization import ModelFrontend
@@ -94,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics on this port (off when not given)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address for /metrics (0.0.0.0 for a scrape from other hosts)")
+    p.add_argument("--http-port", type=int,
+                   help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                        "/v1/completions, /v1/models, /health, /version) on this port, beside "
+                        "gRPC (off when not given); --auth-token-file guards it too")
+    p.add_argument("--http-host",
+                   help="address for the HTTP API (default: the same as --host)")
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
@@ -137,6 +145,9 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"tandem router: cannot listen on {address}")
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    http_server = None
+    if args.http_port is not None:
+        http_server = await start_http(servicer, token, args)
     readiness = asyncio.create_task(_track_readiness(pool, health_servicer,
                                                      args.health_check_interval))
     logger.info("router serving %s on %s; workers: %s", frontend.limits.name, address,
@@ -153,10 +164,25 @@ async def serve(args: argparse.Namespace) -> None:
     readiness.cancel()
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(args.drain_delay_seconds)
-    await server.stop(args.shutdown_grace_seconds)
+    if http_server is not None:
+        await asyncio.gather(server.stop(args.shutdown_grace_seconds), http_server.stop())
+    else:
+        await server.stop(args.shutdown_grace_seconds)
     await pool.close()
     frontend.close()
     logger.info("stopped")
+
+
+async def start_http(servicer: GenerateServicer, token: str | None,
+                     args: argparse.Namespace) -> HTTPServer:
+    host = args.http_host or args.host
+    tls = TLSPaths(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
+    http_server = HTTPServer(create_app(servicer, token), host, args.http_port,
+                             args.shutdown_grace_seconds, tls)
+    await http_server.start()
+    logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http",
+                host, args.http_port)
+    return http_server
 
 
 async def _track_readiness(pool: WorkerPool, health_servicer, interval: float) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -87,10 +90,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         return self.frontend.model_info()
 
     async def Generate(self, request, context):
-        arrival = time.monotonic()
         try:
             if isinstance(request, RequestError):  # undecodable bytes
+                self.metrics.requests_finished.labels(status=request.code.name).inc()
                 raise request
+            async with aclosing(self.stream(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message, exc.trailing_metadata)
+
+    async def stream(self, request: generate_pb2.GenerateRequest,
+                     deadline: Deadline) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """One request's responses, whatever the transport: validation, tokenization,
+        admission, then the RequestFlow. Raises RequestError for a request that fails;
+        closing or cancelling the generator (a client that went away) aborts the request on
+        every worker it reached. `deadline` is the grpc context, or any object whose
+        time_remaining() gives the seconds left (None: no deadline)."""
+        arrival = time.monotonic()
+        try:
             worker_id = worker_request_id(request.request_id)
             request_id = request.request_id or worker_id
             if self.is_draining:
@@ -102,7 +120,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             self.metrics.tokenization_time.observe(time.monotonic() - started)
             params = resolve_params(request, len(prompt), limits)
             async with self.admission.slot():
-                remaining = context.time_remaining()
+                remaining = deadline.time_remaining()
                 if remaining is not None and remaining <= 0:
                     raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        "the deadline passed while the request waited for "
@@ -112,15 +130,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 self.metrics.prompt_tokens.inc(len(prompt))
                 flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
                     request_id, worker_id, prompt, params, list(request.stop.stop), arrival,
-                    queue_seconds), context, self.metrics, self.stall, self.migration_limit)
-                async for response in flow.responses():
-                    yield response
+                    queue_seconds), deadline, self.metrics, self.stall, self.migration_limit)
+                async with aclosing(flow.responses()) as responses:
+                    async for response in responses:
+                        yield response
         except RequestError as exc:
             self.metrics.requests_finished.labels(status=exc.code.name).inc()
-            await context.abort(exc.code, exc.message, exc.trailing_metadata)
-        except asyncio.CancelledError:  # client cancel, disconnect or deadline
-            remaining = context.time_remaining()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # client cancel, disconnect, deadline
+            remaining = deadline.time_remaining()
             status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 \
                 else "CANCELLED"
             self.metrics.requests_finished.labels(status=status).inc()
             raise
+
+
+class Deadline(Protocol):
+    """What the request path needs of a call: the seconds it has left (None: no limit)."""
+
+    def time_remaining(self) -> float | None: ...

@@ -38,6 +38,7 @@ ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-qu
 TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
              ("--tls-server-name", str)]
 PUBLIC_AUTH_FLAGS = [("--auth-token-file", str)]
+HTTP_FLAGS = [("--http-port", int)]  # the router's HTTP API binds --host, as its gRPC port
 DEFAULT_GENERATE_TIMEOUT_S = 300.0
 # Services drain for --grace seconds after SIGTERM; `up` allows this much more before SIGKILL.
 EXIT_MARGIN_S = 2.0
@@ -68,6 +69,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="aggregated (--role both) workers")
     p.add_argument("--host", default="127.0.0.1", help="the router's host (workers use 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="the router's port")
+    p.add_argument("--http-port", type=int, metavar="PORT",
+                   help="the router also serves the OpenAI-compatible HTTP API on PORT (same "
+                        "host; off when not given)")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds each process may take to become SERVING")
     p.add_argument("--grace", type=float, default=10.0,
@@ -155,6 +159,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _error("no workers: give --prefill N --decode N or --both N")
     try:
         check_port_free(args.host, args.port)
+        if args.http_port is not None:
+            check_port_free(args.host, args.http_port)
         model = _resolve_model(args.model)
     except ImportError as exc:
         return _error(f"no --model given, and the default model is unavailable ({exc})")
@@ -183,7 +189,8 @@ def run_up(args: argparse.Namespace) -> int:
                             num_both=args.both, host=args.host, port=args.port,
                             worker_flags=worker_flags(args, num_workers) + common,
                             router_flags=(_passed_flags(args, ROUTER_FLAGS)
-                                          + _passed_flags(args, PUBLIC_AUTH_FLAGS) + common))
+                                          + _passed_flags(args, PUBLIC_AUTH_FLAGS)
+                                          + _passed_flags(args, HTTP_FLAGS) + common))
         return _run_planned_stack(args, model, groups, tls)
 
 
@@ -210,8 +217,17 @@ def _run_planned_stack(args: argparse.Namespace, model: str, groups, tls) -> int
             ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
             ("--tls-server-name", args.tls_server_name)) if value)
         lines += ["Try:", f"  tandem generate --router {dial_address(router.address)} "
-                  f'{client_flags}"The capital of France is" --max-tokens 32',
-                  "Ctrl-C stops everything."]
+                  f'{client_flags}"The capital of France is" --max-tokens 32']
+        if args.http_port is not None:
+            scheme = "https" if tls is not None else "http"
+            url = f"{scheme}://{dial_address(f'{args.host}:{args.http_port}')}/v1"
+            lines[2:2] = [f"  {'http':<10} {url}"]  # below the router's line
+            auth = f"-H \"Authorization: Bearer $(cat {args.auth_token_file})\" " \
+                if args.auth_token_file else ""
+            certs = f"--cacert {args.tls_ca} --cert {args.tls_cert} --key {args.tls_key} " \
+                if tls is not None else ""
+            lines += [f"  curl {certs}{auth}{url}/models"]
+        lines += ["Ctrl-C stops everything."]
         print("\n".join(lines), flush=True)
 
     return run_stack(groups, ready_timeout_s=args.ready_timeout,

@@ -203,20 +203,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _add(self, context, token_ids, params, request_id, **kwargs) -> None:
-        try:
-            await self.engine.call(lambda e: e.add_request(token_ids, params, request_id,
-                                                           **kwargs))
-        except OutOfRangeError as exc:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-        except AlreadyExistsError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._queue_request(context, lambda e: e.add_request(token_ids, params,
+                                                                   request_id, **kwargs))
 
     async def _resume(self, context, prompt, generated, params, request_id) -> None:
+        await self._queue_request(context, lambda e: e.resume_request(
+            prompt, generated, params, request_id, deadline=_deadline(context)))
+
+    async def _queue_request(self, context, command) -> None:
+        """Runs an engine command that queues a request; its refusal becomes the status that
+        names it."""
         try:
-            await self.engine.call(lambda e: e.resume_request(
-                prompt, generated, params, request_id, deadline=_deadline(context)))
+            await self.engine.call(command)
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except AlreadyExistsError as exc:

@@ -7,9 +7,8 @@ import threading
 import time
 
 import grpc
-import pytest
 from helpers.client import generate, request, worker_load
-from helpers.processes import free_port, start, stop, wait_serving
+from helpers.processes import free_port, start, stop, wait_serving, wait_until
 
 WORKER_FLAGS = ["--dtype", "float32", "--drain-delay-seconds", "2",
                 "--shutdown-grace-seconds", "20"]
@@ -20,13 +19,6 @@ def worker(name, role, model, log_dir):
     return start(name, ["tandem.workers.server", "--role", role, "--model", str(model),
                         "--port", str(port), *WORKER_FLAGS], port, log_dir)
 
-
-def wait_until(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(0.1)
 
 
 def test_scale_decode_up_and_down_under_load_loses_nothing(checkpoint, tmp_path):

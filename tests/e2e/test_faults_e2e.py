@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.client import generate, request, worker_load
-from helpers.processes import start_stack, stop
+from helpers.processes import start_stack, stop, wait_until
 
 from tandem import SamplingParams
 from tandem.common.convert import engine_params_to_proto
@@ -20,15 +20,6 @@ from tandem.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 LONG = dict(max_tokens=450)  # ~7 ms per token on CPU: several seconds of streaming
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
-    """Seconds it took for predicate() to hold; fails the test after timeout."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(interval)
-    return time.monotonic() - started
 
 
 def workers_idle(stack) -> bool:

@@ -6,26 +6,15 @@ from __future__ import annotations
 
 import random
 import signal
-import urllib.request
 
 import grpc
 import pytest
-from helpers.client import Result, generate, request, worker_load
+from helpers.client import generate, request, router_counter, worker_load
 from helpers.processes import free_port, start_stack, stop
-from prometheus_client.parser import text_string_to_metric_families
-
-from tandem.v1 import generate_pb2_grpc
 
 NUM_TOKENS = 300  # ~7 ms a token on CPU: a couple of seconds of streaming
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89] * 4
 
-
-def router_counter(metrics_address: str, name: str, **labels) -> float:
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == f"{name}_total" and labels.items() <= sample.labels.items())
 
 
 def start_metered_stack(checkpoint, tmp_path, **kwargs):
@@ -36,21 +25,6 @@ def start_metered_stack(checkpoint, tmp_path, **kwargs):
     stack.router_metrics = f"127.0.0.1:{port}"
     return stack
 
-
-def stream(address: str, message, on_tokens, timeout: float = 120) -> Result:
-    """One Generate call; on_tokens(n) runs each time the client holds n tokens in all."""
-    result = Result()
-    with grpc.insecure_channel(address) as channel:
-        for response in generate_pb2_grpc.GenerateStub(channel).Generate(message,
-                                                                          timeout=timeout):
-            if response.HasField("chunk"):
-                result.deltas.append(response.chunk.text)
-                result.token_ids.extend(response.chunk.token_ids)
-                if response.chunk.token_ids:
-                    on_tokens(len(result.token_ids))
-            else:
-                result.complete = response.complete
-    return result
 
 
 def kill_serving_decode_worker(stack, killed: list[str]) -> None:
@@ -87,7 +61,7 @@ def test_killed_decode_worker_stream_continues_with_the_undisturbed_tokens(
             if num_tokens >= kill_at and not killed:
                 kill_serving_decode_worker(stack, killed)
 
-        result = stream(stack.router.address, message, on_tokens)
+        result = generate(stack.router.address, message, timeout=120, on_tokens=on_tokens)
         log = f"killed at token {kill_at}; router log:\n{stack.router.log_tail()}"
         assert killed, f"the stream ended before token {kill_at}"
         assert result.token_ids == undisturbed.token_ids, log
@@ -114,7 +88,8 @@ def test_migration_limit_reached_ends_unavailable_naming_each_attempt(checkpoint
                 kill_serving_decode_worker(stack, killed)
 
         with pytest.raises(grpc.RpcError) as info:
-            stream(stack.router.address, request(PROMPT, max_tokens=NUM_TOKENS), on_tokens)
+            generate(stack.router.address, request(PROMPT, max_tokens=NUM_TOKENS), timeout=120,
+                     on_tokens=on_tokens)
         assert len(killed) == 2
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         details = info.value.details()

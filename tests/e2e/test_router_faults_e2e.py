@@ -6,15 +6,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
-from helpers.client import generate, request, worker_load
-from helpers.processes import free_port, start_stack, stop
-from prometheus_client.parser import text_string_to_metric_families
-
-from tandem.v1 import generate_pb2_grpc
+from helpers.client import generate, request, router_counter, worker_load
+from helpers.processes import free_port, start_stack, stop, wait_until
 
 MAX_CONCURRENCY, MAX_QUEUE = 2, 2
 LONG = dict(max_tokens=450)  # several seconds of streaming on CPU
@@ -34,21 +30,6 @@ def small_router(checkpoint, tmp_path_factory):
     stop(stack.processes)
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(interval)
-
-
-def router_counter(metrics_address: str, name: str, **labels) -> float:
-    """The sum of a router counter's samples whose labels include `labels`."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples
-               if sample.name == f"{name}_total" and labels.items() <= sample.labels.items())
 
 
 def workers_idle(stack) -> bool:

@@ -2,9 +2,11 @@
 certificates made for the test."""
 from __future__ import annotations
 
+import ssl
 import time
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.certs import make_identities
@@ -36,7 +38,7 @@ def tls_stack(checkpoint, tmp_path_factory):
     token_file = tmp / "token"
     token_file.write_text(TOKEN + "\n")
     model = str(checkpoint("llama").path)
-    ports = {name: free_port() for name in ("prefill", "decode", "router")}
+    ports = {name: free_port() for name in ("prefill", "decode", "router", "http")}
     processes = {
         role: start(role, ["tandem.workers.server", "--role", role, "--model", model, "--port",
                            str(ports[role]), "--dtype", "float32", *tls_flags], ports[role], tmp)
@@ -44,7 +46,8 @@ def tls_stack(checkpoint, tmp_path_factory):
     processes["router"] = start("router", [
         "tandem.router.server", "--model", model, "--port", str(ports["router"]),
         "--prefill", processes["prefill"].address, "--decode", processes["decode"].address,
-        "--health-check-interval", "0.3", "--auth-token-file", str(token_file), *tls_flags],
+        "--health-check-interval", "0.3", "--auth-token-file", str(token_file),
+        "--http-port", str(ports["http"]), *tls_flags],
         ports["router"], tmp)
     deadline = time.monotonic() + 180
     for process in processes.values():
@@ -58,8 +61,36 @@ def tls_stack(checkpoint, tmp_path_factory):
                     pass
                 assert time.monotonic() < deadline, process.log_tail()
                 time.sleep(0.2)
+    processes["router"].http_url = f"https://127.0.0.1:{ports['http']}/v1"
     yield processes, good, tmp
     stop(list(processes.values()))
+
+
+def test_http_api_is_https_with_client_certificates_and_the_token(tls_stack):
+    processes, good, tmp = tls_stack
+    url = processes["router"].http_url
+
+    def client(identity, token=TOKEN) -> openai.OpenAI:
+        context = ssl.create_default_context(cafile=str(good.ca))
+        if identity is not None:
+            context.load_cert_chain(str(identity.cert), str(identity.key))
+        return openai.OpenAI(base_url=url, api_key=token, max_retries=0, timeout=30,
+                             http_client=openai.DefaultHttpxClient(verify=context))
+
+    model = client(good).models.list().data[0].id
+    reply = client(good).completions.create(model=model, prompt=[1, 2, 3], max_tokens=3)
+    assert reply.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        client(good, token="wrong").models.list()
+    with pytest.raises(openai.APIConnectionError):  # no client certificate: no handshake
+        client(None).models.list()
+    other = make_identities(tmp / "other-http")
+    with pytest.raises(openai.APIConnectionError):  # a certificate from another CA
+        client(other).models.list()
+    plain = openai.OpenAI(base_url=url.replace("https", "http"), api_key=TOKEN, max_retries=0,
+                          timeout=10)
+    with pytest.raises(openai.APIConnectionError):
+        plain.models.list()
 
 
 def test_normal_path_works_with_certificate_and_token(tls_stack, checkpoint):

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.client import generate, request, worker_load
 from helpers.processes import (child_pids, free_port, start, start_up, stop, wait_gone,
-                               wait_serving)
+                               wait_serving, wait_until)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import SamplingParams
@@ -38,13 +38,6 @@ def start_worker(model, log_dir, role: str = "both", extra: list[str] = ()):
         raise
     return worker, f"127.0.0.1:{metrics_port}"
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> None:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def is_idle(address: str) -> bool:

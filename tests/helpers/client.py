@@ -1,9 +1,11 @@
 """A minimal blocking client for tests: one Generate call, chunks collected."""
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.common.security import INTERNAL_TOKEN_KEY
 from tandem.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -36,7 +38,9 @@ def request(prompt: str | list[int], max_tokens: int = 16, min_tokens: int | Non
 
 
 def generate(address: str, message: generate_pb2.GenerateRequest,
-             timeout: float = 60) -> Result:
+             timeout: float = 60, on_tokens=None) -> Result:
+    """One Generate call, chunks collected; on_tokens(n), when given, runs each time the
+    client holds n tokens in all."""
     result = Result()
     with grpc.insecure_channel(address) as channel:
         for response in generate_pb2_grpc.GenerateStub(channel).Generate(message,
@@ -44,6 +48,8 @@ def generate(address: str, message: generate_pb2.GenerateRequest,
             if response.HasField("chunk"):
                 result.deltas.append(response.chunk.text)
                 result.token_ids.extend(response.chunk.token_ids)
+                if on_tokens is not None and response.chunk.token_ids:
+                    on_tokens(len(result.token_ids))
             else:
                 result.complete = response.complete
     return result
@@ -80,3 +86,12 @@ def call_worker_rpc(channel, service: str, method: str, request_type, metadata=(
     if hasattr(reply, "__iter__") and not hasattr(reply, "ListFields"):
         return list(reply)
     return reply
+
+
+def router_counter(metrics_address: str, name: str, **labels) -> float:
+    """The sum of a counter's samples on a /metrics endpoint whose labels include `labels`."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == f"{name}_total" and labels.items() <= sample.labels.items())

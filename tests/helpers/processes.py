@@ -190,3 +190,13 @@ def wait_gone(pids: list[int], timeout: float) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"processes {[p for p in pids if is_running(p)]} still run")
         time.sleep(0.1)
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
+    """Seconds it took for predicate() to hold; fails the test after timeout."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - started

@@ -119,7 +119,8 @@ def test_result_has_usage_timings_and_client_latencies(router):
         result = client.generate("hi")
     assert result.token_ids == [0, 1, 2, 3, 4, 5]
     assert result.finish_reason == "length" and result.request_id == "assigned-id"
-    assert result.usage == {"prompt_tokens": 4, "completion_tokens": 6, "cached_prompt_tokens": 1}
+    assert result.usage == {"prompt_tokens": 4, "completion_tokens": 6, "cached_prompt_tokens": 1,
+                            "num_migrations": 0}
     assert result.timings["time_to_first_token_seconds"] == pytest.approx(0.02)
     assert set(result.timings) == {f.name for f in pb.Timings.DESCRIPTOR.fields}
     assert 0 < result.client_ttft_seconds < result.client_e2e_seconds

@@ -317,3 +317,21 @@ def test_metrics_listen_on_loopback_unless_told():
     router = router_parser().parse_args(["--model", "/m"])
     worker = worker_parser().parse_args(["--role", "decode", "--model", "/m", "--port", "1"])
     assert router.metrics_host == worker.metrics_host == router.host == worker.host == "127.0.0.1"
+
+
+def test_up_passes_http_port_to_the_router(tmp_path, capsys):
+    from tandem.router.server import build_parser as router_parser
+
+    args = cli.build_parser().parse_args(["up", "--http-port", "8000"])
+    flags = cli._passed_flags(args, cli.HTTP_FLAGS)
+    assert flags == ["--http-port", "8000"]
+    router = router_parser().parse_args(["--model", "/m", "--host", "0.0.0.0", *flags])
+    assert router.http_port == 8000 and router.http_host is None  # binds --host
+    assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.HTTP_FLAGS) == []
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
+                         "--http-port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -61,6 +61,11 @@ def test_probes_are_grpc_health_checks(rendered, name):
             if tls:  # kubelet's gRPC probe cannot speak TLS (values.yaml, tls)
                 assert probe["tcpSocket"] == {"port": "grpc"}
                 continue
+            has_http = any(p["name"] == "http" for p in container["ports"])
+            if is_router and probe_name == "readinessProbe" and has_http:  # cpu.yaml: httpPort
+                assert set(probe) & {"grpc", "tcpSocket", "httpGet", "exec"} == {"httpGet"}
+                assert probe["httpGet"] == {"path": "/health", "port": "http"}
+                continue
             assert set(probe) & {"grpc", "tcpSocket", "httpGet", "exec"} == {"grpc"}
             assert probe["grpc"]["port"] == grpc_port
             expected_service = ("" if not is_router or probe_name == "readinessProbe"
@@ -69,6 +74,24 @@ def test_probes_are_grpc_health_checks(rendered, name):
         if not is_router:  # model loading: the startup probe allows at least 10 minutes
             startup = container["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+@pytest.mark.parametrize("name, http_port", [("default", None), ("cpu", 8000), ("tls", 8443)])
+def test_router_http_port_reaches_args_container_and_service(rendered, name, http_port):
+    _, docs = rendered[name]
+    router = router_of(docs)
+    container = main_container(router)
+    service = next(s for s in of_kind(docs, "Service")
+                   if s["metadata"]["name"] == router["metadata"]["name"])
+    http_ports = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    if http_port is None:
+        assert "--http-port" not in container["args"] and not http_ports
+        return
+    assert flag_value(container["args"], "--http-port") == str(http_port)
+    assert {"name": "http", "containerPort": http_port, "protocol": "TCP"} in container["ports"]
+    assert http_ports == [{"name": "http", "port": http_port, "targetPort": "http",
+                           "protocol": "TCP",
+                           "appProtocol": "https" if name == "tls" else "http"}]
 
 
 @pytest.mark.parametrize("name", RENDERINGS)

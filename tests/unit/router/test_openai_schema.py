@@ -1,0 +1,90 @@
+"""The OpenAI request bodies -> GenerateRequests: every supported field reaches the proto."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tandem.router.openai_api import _param_of
+from tandem.router.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tandem.v1 import generate_pb2
+
+
+def test_every_chat_field_reaches_the_generate_request():
+    body = ChatCompletionRequest(
+        model="m", messages=[{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "text", "text": "b"}]}],
+        max_completion_tokens=9, temperature=0.5, top_p=0.9, n=2, stop="END", seed=7,
+        presence_penalty=0.1, frequency_penalty=0.2, logprobs=True, top_logprobs=3,
+        user="u", top_k=5, min_p=0.05, repetition_penalty=1.1, min_tokens=2, ignore_eos=True,
+        stop_token_ids=[4])
+    body.check()
+    first, second = body.to_generate_requests("chatcmpl-x")
+    assert [(m.role, m.content) for m in first.chat.messages] == [("system", "be brief"),
+                                                                 ("user", "ab")]
+    assert first.model == "m" and first.request_id == "chatcmpl-x-0"
+    sampling = first.sampling
+    assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+    assert sampling.top_k == 5 and sampling.min_p == pytest.approx(0.05)
+    assert sampling.presence_penalty == pytest.approx(0.1)
+    assert sampling.frequency_penalty == pytest.approx(0.2)
+    assert sampling.repetition_penalty == pytest.approx(1.1)
+    assert (sampling.seed, second.sampling.seed) == (7, 8)
+    stop = first.stop
+    assert stop.max_tokens == 9 and stop.min_tokens == 2 and list(stop.stop) == ["END"]
+    assert list(stop.stop_token_ids) == [4] and stop.ignore_eos
+    assert first.logprobs == 3
+
+
+def test_absent_fields_stay_absent_so_the_router_defaults_apply():
+    [message] = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]) \
+        .to_generate_requests("c")
+    assert not message.sampling.ListFields() and not message.stop.HasField("max_tokens")
+    assert not message.HasField("logprobs") and message.model == ""
+
+
+def test_completion_prompts_give_n_requests_each():
+    body = CompletionRequest(prompt=["one", "two"], n=2, logprobs=1)
+    messages = body.to_generate_requests("cmpl-x")
+    assert [m.text for m in messages] == ["one", "one", "two", "two"]
+    assert [m.request_id[-1] for m in messages] == ["0", "1", "2", "3"]
+    assert all(m.logprobs == 1 for m in messages)
+    [ids] = CompletionRequest(prompt=[1, 2, 3]).to_generate_requests("c")
+    assert list(ids.token_ids.ids) == [1, 2, 3]
+    assert len(CompletionRequest(prompt=[[1], [2]]).to_generate_requests("c")) == 2
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+])
+def test_openai_only_checks_name_the_field(fields, param):
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+    with pytest.raises(OpenAIError) as info:
+        body.check()
+    assert info.value.param == param
+
+
+def test_unknown_fields_are_refused_even_inside_messages():
+    with pytest.raises(ValidationError, match="tools"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[])
+    with pytest.raises(ValidationError, match="tool_calls"):
+        ChatCompletionRequest(messages=[{"role": "assistant", "content": "x",
+                                         "tool_calls": []}])
+    with pytest.raises(ValidationError, match="image_url"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+@pytest.mark.parametrize("message, param", [
+    ("sampling.top_p=1.5 must be in (0, 1]", "top_p"),
+    ("stop.max_tokens=0 must be >= 1", "max_tokens"),
+    ("stop.stop[0] is empty", "stop"),
+    ("token_ids.ids[2]=100000 is outside the vocabulary [0, 384)", "prompt"),
+    ("chat.messages[0].role='x' is not one of system", "messages"),
+    ("model='x' is not served here", "model"),
+    ("router is shutting down", None),
+])
+def test_servicer_messages_map_to_openai_params(message, param):
+    assert _param_of(message) == param
