@@ -5,7 +5,6 @@ worker killed between its answer and the pull costs the client nothing."""
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +12,7 @@ import grpc
 import pytest
 from helpers.client import generate, worker_load
 from helpers.client import request as client_request
-from helpers.processes import free_port, start, start_stack, stop, wait_serving
+from helpers.processes import free_port, start, start_stack, stop, wait_serving, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import SamplingParams
@@ -195,12 +194,14 @@ def test_through_the_router_a_prefill_worker_killed_before_the_pull_costs_nothin
         hog_message.kv_handle.CopyFrom(hog_handle)
         with grpc.insecure_channel(decode_worker.address) as channel:
             hog = worker_pb2_grpc.WorkerStub(channel).Decode(hog_message, timeout=120)
-            wait_until(lambda: worker_load(decode_worker.address).num_free_blocks <= 1, 30)
+            wait_until(lambda: worker_load(decode_worker.address).num_free_blocks <= 1, 30,
+                       interval=0.02)
             outcome: dict = {}
             thread = threading.Thread(target=lambda: outcome.update(
                 result=generate(stack.router.address, message, timeout=120)), daemon=True)
             thread.start()
-            wait_until(lambda: worker_load(prefill_worker.address).num_pinned == 1, 30)
+            wait_until(lambda: worker_load(prefill_worker.address).num_pinned == 1, 30,
+                       interval=0.02)
             prefill_worker.popen.kill()
             prefill_worker.popen.wait(10)
             hog.cancel()
@@ -224,11 +225,3 @@ def prefill_hog(address: str, prompt: list[int]) -> worker_pb2.PrefillResponse:
         return worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
             request_id="hog", prompt_token_ids=prompt, params=params(None), keep_kv=True),
             timeout=60)
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02) -> None:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            pytest.fail(f"condition not met within {timeout} s")
-        time.sleep(interval)
