@@ -7,9 +7,8 @@ import signal
 import threading
 
 import pytest
-from helpers.client import Result, generate, request, worker_load
-from helpers.processes import stop
-from test_migration_e2e import router_counter, start_metered_stack, stream
+from helpers.client import Result, generate, request, router_counter, worker_load
+from helpers.processes import start_metered_stack, stop
 
 # 32 + 460 tokens fit the tiny Llama's 512 positions. Alone, such a stream takes about 0.6 s
 # on a CPU core, two at once longer: several times the 0.2 s grace.
@@ -35,8 +34,8 @@ def test_sigterm_drained_decode_worker_hands_its_streams_over(checkpoint, tmp_pa
                 if num_tokens >= SIGTERM_AFTER_TOKENS:
                     started[index].set()
             try:
-                results[index] = stream(stack.router.address, messages[index], on_tokens,
-                                        timeout=300)
+                results[index] = generate(stack.router.address, messages[index], timeout=300,
+                                          on_tokens=on_tokens)
             except Exception as exc:  # reported below, with the stream's index
                 results[index] = exc
                 started[index].set()

@@ -10,20 +10,10 @@ import signal
 import grpc
 import pytest
 from helpers.client import generate, request, router_counter, worker_load
-from helpers.processes import free_port, start_stack, stop
+from helpers.processes import start_metered_stack, stop
 
 NUM_TOKENS = 300  # ~7 ms a token on CPU: a couple of seconds of streaming
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89] * 4
-
-
-
-def start_metered_stack(checkpoint, tmp_path, **kwargs):
-    port = free_port()
-    router_args = ["--metrics-port", str(port), "--metrics-host", "127.0.0.1",
-                   *kwargs.pop("router_args", [])]
-    stack = start_stack(checkpoint("llama").path, tmp_path, router_args=router_args, **kwargs)
-    stack.router_metrics = f"127.0.0.1:{port}"
-    return stack
 
 
 

@@ -200,3 +200,14 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
             pytest.fail(f"condition not met within {timeout} s")
         time.sleep(interval)
     return time.monotonic() - started
+
+
+def start_metered_stack(checkpoint, log_dir: Path, **kwargs) -> Stack:
+    """start_stack on the tiny Llama with the router's /metrics on; its host:port is
+    `stack.router_metrics`."""
+    port = free_port()
+    router_args = ["--metrics-port", str(port), "--metrics-host", "127.0.0.1",
+                   *kwargs.pop("router_args", [])]
+    stack = start_stack(checkpoint("llama").path, log_dir, router_args=router_args, **kwargs)
+    stack.router_metrics = f"127.0.0.1:{port}"
+    return stack
