@@ -16,7 +16,6 @@ NUM_TOKENS = 300  # ~7 ms a token on CPU: a couple of seconds of streaming
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89] * 4
 
 
-
 def kill_serving_decode_worker(stack, killed: list[str]) -> None:
     """SIGKILL the live decode (or both) worker that is running the (only) request."""
     serving = [w for name, w in stack.workers.items() if not name.startswith("prefill")
