@@ -318,12 +318,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             engine.abort(request_id)
             return engine.resume_request(prompt, generated, params, request_id,
                                          deadline=deadline)
-        try:
-            await self.engine.call(abort_and_resume)
-        except OutOfRangeError as exc:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._queue_request(context, abort_and_resume)
 
     async def _reserve(self, context, prompt, generated, params, request_id):
         deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS

@@ -151,11 +151,7 @@ class LLMEngine:
         if num_prompt >= self.resolved.max_model_len:
             raise OutOfRangeError(f"prompt has {num_prompt} tokens; max_model_len="
                              f"{self.resolved.max_model_len} leaves no room to generate")
-        vocab = self.resolved.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise OutOfRangeError(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})")
+        self._check_vocabulary(prompt_token_ids, "prompt")
         if request_id is not None and request_id in self.requests:
             raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, request_id)
@@ -183,15 +179,20 @@ class LLMEngine:
         if len(generated_token_ids) >= params.max_tokens:
             raise OutOfRangeError(f"{len(generated_token_ids)} generated tokens already reach "
                                   f"max_tokens={params.max_tokens}")
-        vocab = self.resolved.vocab_size
-        bad = [t for t in generated_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise OutOfRangeError(f"generated token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})")
+        self._check_vocabulary(generated_token_ids, "generated")
         seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
         seq.token_ids.extend(generated_token_ids)  # still WAITING: no blocks yet
-        advance_request_generator(seq, len(generated_token_ids), vocab, self.resolved.device)
+        advance_request_generator(seq, len(generated_token_ids), self.resolved.vocab_size,
+                                  self.resolved.device)
         return seq
+
+    def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
+        """OutOfRangeError naming the first id outside the vocabulary."""
+        vocab = self.resolved.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise OutOfRangeError(f"{what} token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, pinned, receiving KV) and free its
