@@ -41,8 +41,9 @@ def test_router_discovers_each_tier_through_its_headless_service(rendered, name)
         expected = f"dns:///{service['metadata']['name']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:{port}"
         assert flag_value(router_args, WORKER_ROLE_FLAGS[role]) == expected
         assert float(flag_value(args, "--drain-delay-seconds")) > 0
-        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > \
-            float(flag_value(args, "--drain-delay-seconds")) + float(flag_value(args, "--shutdown-grace-seconds"))
+        drain_seconds = float(flag_value(args, "--drain-delay-seconds")) \
+            + float(flag_value(args, "--shutdown-grace-seconds"))
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_seconds
     assert seen_roles in ({"prefill", "decode"}, {"both"})
     for role, flag in WORKER_ROLE_FLAGS.items():
         assert (flag in router_args) == (role in seen_roles)
