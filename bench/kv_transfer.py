@@ -30,7 +30,7 @@
    and the ratio to the copy rate, and the ratio to the same-size copy: one contiguous copy of
    the row's bytes timed as a pull is. That is the fair peer of small handles, because even
    the copy engine is latency-bound there: on 2 H200s a 2 MiB copy runs at 0.23x the 1 GiB
-   rate, 8 MiB at 0.52x, 32 MiB at 0.81x (benchmarks/probes/kv_gather_anatomy.py).
+   rate, 8 MiB at 0.52x, 32 MiB at 0.81x (bench/probes/kv_gather_anatomy.py).
 
 The caches hold random bit patterns, so some elements are NaNs (about 1 in 256 in bf16): the
 check compares bytes, never values (torch.equal is False on NaN == NaN). Comparing values was

@@ -88,8 +88,8 @@ def test_building_the_package_prints_no_warning(tmp_path):
     assert "warning" not in (built.stdout + built.stderr).lower(), built.stderr[:3000]
     kernels = tmp_path / "lib" / "tandem" / "workers" / "ops" / "gpu" / "cuda"
     assert (kernels / "decode_blocks.cu").is_file() and list(kernels.glob("*.cuh"))
-    # The built package ships no probe: benchmarks/ stays in the repository only.
+    # The built package ships no probe: bench/probes/ stays in the repository only.
     assert [p.name for p in (tmp_path / "lib").iterdir()] == ["tandem"]
-    probes = {p.stem for p in (REPO_ROOT / "benchmarks" / "probes").glob("*.py")} - {"__init__"}
-    shipped = {p.stem for p in (tmp_path / "lib" / "tandem" / "bench").glob("*.py")}
+    probes = {p.stem for p in (REPO_ROOT / "bench" / "probes").glob("*.py")}
+    shipped = {p.stem for p in (tmp_path / "lib" / "tandem" / "bench").rglob("*.py")}
     assert probes and probes & shipped == set(), f"probes in the package: {probes & shipped}"

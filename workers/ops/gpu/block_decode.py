@@ -134,7 +134,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     copy each (conflict-free operand loads) or one copy per block (default: padded from
     PADDED_SPLITS splits up). trace: int64 tensors
     [num_seqs * num_splits, 5] and [num_seqs * num_heads * 4, 5] the kernels fill with
-    %globaltimer stamps (benchmarks/probes/block_decode.py --timeline)."""
+    %globaltimer stamps (bench/probes/block_decode.py --timeline)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"block decode attention unavailable: {library}")

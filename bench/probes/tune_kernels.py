@@ -1,13 +1,13 @@
 """Sweep the launch settings of our decode-path kernels on this GPU and print the best per shape.
 
-    python -m benchmarks.probes.tune_kernels            # about a minute on an H100
+    python bench/probes/tune_kernels.py            # about a minute on an H100
 
 Decode attention (split-KV): splits x tile x warps x stages at Llama-8B's heads (32 q / 8 kv,
 head 128, block 16), KV rotated through copies so it is read from HBM, not L2. Times are
 CUDA-graph replays (bench/engine_limits.time_graphed). The defaults in
 workers/ops/gpu/paged_decode.py come from this table; rerun it on a new GPU.
 
-    python -m benchmarks.probes.tune_kernels --gemv     # only the fused GEMV sweep
+    python bench/probes/tune_kernels.py --gemv     # only the fused GEMV sweep
 
 The fused small-batch GEMV (workers/ops/gpu/decode_gemv.py): block_n x block_k x warps x
 stages at Llama-8B's four projections for one row; default_config there comes from it.

@@ -1,7 +1,7 @@
 """Host cost of one cuda-ipc block copy, piece by piece (one GPU; source and destination caches
 on it, since only the host side is timed here: bench/kv_transfer.py times the data path).
 
-    python -m benchmarks.probes.ipc_launch_overhead [--blocks 1,16,128] [--iters 2000]
+    python bench/probes/ipc_launch_overhead.py [--blocks 1,16,128] [--iters 2000]
 
 Rows (median microseconds of host time per call, CPU clock):
   ids pin_memory      torch.frombuffer(array(...)).pin_memory(), the old per-launch ids
@@ -63,7 +63,7 @@ async def timed_waits(copier, waiter, src_ids, dst_ids, stream, iters: int) -> f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.ipc_launch_overhead",
+    p = argparse.ArgumentParser(prog="python bench/probes/ipc_launch_overhead.py",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--blocks", default="1,16,128", help="block pairs per copy")
     p.add_argument("--iters", type=int, default=2000)

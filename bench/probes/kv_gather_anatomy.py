@@ -1,7 +1,7 @@
 """Where a KV pull's copy time goes between two GPUs, in one process: cuda:1 reads cuda:0
 through peer access, as the cuda-ipc backend's gather reads a peer's IPC-mapped cache.
 
-    python -m benchmarks.probes.kv_gather_anatomy [--blocks 1,2,4,16,64,128] [--iters 30]
+    python bench/probes/kv_gather_anatomy.py [--blocks 1,2,4,16,64,128] [--iters 30]
 
 Caches are Llama-8B-shaped (32 layers, K and V, 8 KV heads x 128, block 16, bf16: 2 MiB per
 block over all 64 cache tensors). Per handle size, each row's median of --iters:
@@ -34,7 +34,7 @@ SLEEP_CYCLES = 200_000  # ~100 us on a 1.98 GHz H200: the launch is queued befor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.kv_gather_anatomy")
+    p = argparse.ArgumentParser(prog="python bench/probes/kv_gather_anatomy.py")
     p.add_argument("--blocks", default="1,2,4,16,64,128")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--cache-blocks", type=int, default=1024,

@@ -1,6 +1,6 @@
 """Decode step time of an 8B-shaped model with tensor parallelism, eager against CUDA graphs.
 
-    python -m benchmarks.probes.tp_decode [--tp 1,2] [--batches 1,8,32] [--context 1024]
+    python bench/probes/tp_decode.py [--tp 1,2] [--batches 1,8,32] [--context 1024]
 
 Each (TP size, eager or graphs) engine runs in its own process (one process group each):
 random bf16 weights built on the GPUs (load_format="dummy"), `batch` requests whose first
@@ -29,7 +29,7 @@ import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.tp_decode")
+    p = argparse.ArgumentParser(prog="python bench/probes/tp_decode.py")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--tp", default="1,2", help="TP sizes")
     p.add_argument("--batches", default="1,8,32")
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             for mode in ("eager", "graphs"):
                 try:
                     child = subprocess.run(
-                        [sys.executable, "-m", "benchmarks.probes.tp_decode", "--batches",
+                        [sys.executable, __file__, "--batches",
                          args.batches, "--context", str(args.context), "--steps",
                          str(args.steps), "--profile-steps", str(args.profile_steps),
                          *(["--profile"] if args.profile else []),

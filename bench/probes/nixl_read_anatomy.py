@@ -1,6 +1,6 @@
 """Where a NIXL READ's host time goes, between two GPUs of one host.
 
-    python -m benchmarks.probes.nixl_read_anatomy [--blocks 62,250,250] [--kv-heads 4]
+    python bench/probes/nixl_read_anatomy.py [--blocks 62,250,250] [--kv-heads 4]
 
 A source process holds a KV cache on cuda:0 (32 layers, K and V, [2048 blocks, 16, kv-heads,
 128] bf16: by default a TP=2 rank's share of Llama-3-8B, 1 MiB per block over all layers) and
@@ -64,7 +64,7 @@ def timed_read(nixl, local_rows, remote_rows, peer_name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.nixl_read_anatomy")
+    p = argparse.ArgumentParser(prog="python bench/probes/nixl_read_anatomy.py")
     p.add_argument("--blocks", default="62,250,250")
     p.add_argument("--kv-heads", type=int, default=4)
     args = p.parse_args(argv)

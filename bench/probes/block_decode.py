@@ -1,8 +1,8 @@
 """The whole-block decode kernel (workers/ops/gpu/block_decode.py) against the Triton split-KV
 kernel, decode attention alone, and where its time goes.
 
-    python -m benchmarks.probes.block_decode [--shapes 1x4096,8x4096,...]
-    python -m benchmarks.probes.block_decode --timeline 1x4096
+    python bench/probes/block_decode.py [--shapes 1x4096,8x4096,...]
+    python bench/probes/block_decode.py --timeline 1x4096
 
 Rows are CUDA-graph replays of 20 chained calls (engine_limits.time_graphed) at Llama-8B's
 heads (32 q / 8 kv, head 128, block 16), the KV rotated through copies so it comes from HBM,

@@ -1,6 +1,6 @@
 """KV handoff between tensor-parallel workers, by backend: the gap it leaves in a stream.
 
-    python -m benchmarks.probes.tp_handoff [--tp 2] [--backends grpc,cuda-ipc] [--prompts 1000,4000]
+    python bench/probes/tp_handoff.py [--tp 2] [--backends grpc,cuda-ipc] [--prompts 1000,4000]
 
 One stack per backend: a router, a prefill worker and a decode worker, both TP=--tp over the
 same --tp GPUs (rank r of each on cuda:r), 8B-shaped bf16 random weights (load-format dummy),
@@ -36,7 +36,7 @@ from tandem.client import TandemClient
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.tp_handoff")
+    p = argparse.ArgumentParser(prog="python bench/probes/tp_handoff.py")
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--backends", default="grpc,cuda-ipc")

@@ -1,6 +1,6 @@
 """Which part of capturing NCCL collectives into CUDA graphs hangs? A 2-GPU probe, stage by stage.
 
-    NCCL_DEBUG=WARN python -m benchmarks.probes.nccl_graph_probe [--eager-init] [--stages a,b]
+    NCCL_DEBUG=WARN python bench/probes/nccl_graph_probe.py [--eager-init] [--stages a,b]
 
 Like the TP engine, each rank (a child process; the parent holds the TCPStore on 127.0.0.1, port
 chosen by the OS) does set_device(rank), init_process_group("nccl", store=, rank=, world_size=)

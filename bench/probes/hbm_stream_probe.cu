@@ -1,5 +1,5 @@
 // Build and run on the GPU machine: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90
-//   -o /tmp/hbm_stream_probe benchmarks/probes/hbm_stream_probe.cu && /tmp/hbm_stream_probe
+//   -o /tmp/hbm_stream_probe bench/probes/hbm_stream_probe.cu && /tmp/hbm_stream_probe
 // Latest numbers: bench/RESULTS.md.
 // How fast can one wave of CTAs stream 1x4k's KV (256 random 32 KB K blocks + 256 V blocks,
 // 16.8 MB) from HBM, by load method? Chained launches with PDL (launch_dependents at entry,

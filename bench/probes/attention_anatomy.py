@@ -1,6 +1,6 @@
 """Where the time of batch-1 decode attention goes: the split-KV kernel taken apart.
 
-    python -m benchmarks.probes.attention_anatomy [--context 4096]
+    python bench/probes/attention_anatomy.py [--context 4096]
 
 Every row is a CUDA-graph replay (bench/engine_limits.time_graphed) with the KV rotated
 through copies so it comes from HBM, at Llama-8B's heads (32 q / 8 kv, head 128, block 16):
