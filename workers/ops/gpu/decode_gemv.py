@@ -100,7 +100,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
 
 
 def default_config(n: int, k: int, silu_mul: bool) -> dict:
-    """Launch settings, the best of `python -m benchmarks.probes.tune_kernels --gemv` at
+    """Launch settings, the best of `python bench/probes/tune_kernels.py --gemv` at
     Llama-8B's projections on an H100 and within a few percent of the best on an H200
     (bench/RESULTS.md, tune_kernels): 1024-wide K slices, 8 warps, 8 output columns per
     program (4 gate + 4 up columns for SILU_MUL)."""

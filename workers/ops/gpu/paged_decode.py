@@ -227,7 +227,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     block_tables [B, max_blocks] int32, seq_lens [B] int32 (keys in the cache, the new token's
     included). num_splits: a power of two (see num_splits_for). Launch defaults, the best of
-    `python -m benchmarks.probes.tune_kernels` and bench/engine.py on an H100: 64-key tiles,
+    `python bench/probes/tune_kernels.py` and bench/engine.py on an H100: 64-key tiles,
     4 warps, 3 pipeline stages for a single split (one program loops over many tiles), else 2.
     """
     if num_stages is None:

@@ -11,8 +11,8 @@
 // One CTA per SM (its buffers take ~200 KB of shared memory), so a call's CTAs start as the
 // previous call's exit; the producer warp issues the slot copies as the TMA engine accepts
 // them, and the attending warps start on a block as soon as it lands. Times, the timeline
-// (benchmarks/probes/block_decode.py --timeline) and the stream-only floor
-// (benchmarks/probes/hbm_stream_probe.cu) are on bench/RESULTS.md.
+// (bench/probes/block_decode.py --timeline) and the stream-only floor
+// (bench/probes/hbm_stream_probe.cu) are on bench/RESULTS.md.
 //
 // Grid (num_splits, num_seqs), KV + 1 warps per CTA: warps 0..KV-1 attend, warp KV (the
 // producer) only moves blocks. CTA s of a sequence takes blocks s, s + num_splits,
@@ -115,7 +115,7 @@ struct Params {  // mirrored by block_decode.py's ctypes structure: keep the ord
   int32_t stages;          // block buffers in shared memory, <= kMaxStages
   int32_t padded;          // 1: padded slot pitches, one copy per slot; 0: one copy per block
   float scale;             // softmax scale (natural units)
-  // Diagnostics (benchmarks/probes/block_decode.py --timeline), normally null: per CTA the
+  // Diagnostics (bench/probes/block_decode.py --timeline), normally null: per CTA the
   // %globaltimer (ns) at entry, copies issued, PDL wait returned, last block landed, partials
   // stored.
   uint64_t* trace;
