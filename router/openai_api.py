@@ -364,14 +364,6 @@ class LogprobFormatter:
                 "text_offset": offsets}
 
 
-def _finish_reason(complete: generate_pb2.Complete) -> str | None:
-    """"stop" whenever a stop string matched, also one found only in the text held back to
-    the end (a Complete may then say LENGTH)."""
-    if complete.matched_stop:
-        return "stop"
-    return finish_reason_from_proto(complete.finish_reason)
-
-
 class _Choice:
     def __init__(self) -> None:
         self.texts: list[str] = []
@@ -413,7 +405,8 @@ class CompletionOutput:
         choice = self.choices[index]
         if response.HasField("complete"):
             choice.complete = response.complete
-            return self._chunk(index, "", None, _finish_reason(response.complete))
+            finish = finish_reason_from_proto(response.complete.finish_reason)
+            return self._chunk(index, "", None, finish)
         chunk = response.chunk
         choice.texts.append(chunk.text)
         choice.logprobs.extend(chunk.logprobs)
@@ -456,7 +449,7 @@ class CompletionOutput:
         choices = []
         for index, choice in enumerate(self.choices):
             text = "".join(choice.texts)
-            finish = _finish_reason(choice.complete)
+            finish = finish_reason_from_proto(choice.complete.finish_reason)
             if self.kind == "chat":
                 logprobs = {"content": self.formatter.chat(choice.logprobs)} \
                     if choice.logprobs else None
