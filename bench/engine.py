@@ -32,7 +32,9 @@ from tandem.bench.engine_models import MODELS, write_model_dir
 from tandem.common.sampling_params import SamplingParams
 
 
-def _engine(model_dir: Path, args: argparse.Namespace):
+def build_engine(model_dir: Path, args: argparse.Namespace):
+    """An LLMEngine on random bf16 weights sized for the decode cases and prefill lengths of
+    `args` (batches, contexts, steps, prefill, kernels, gpu_memory_utilization)."""
     from tandem.workers.engine.config import EngineConfig
     from tandem.workers.engine.engine import LLMEngine
 
@@ -169,7 +171,7 @@ def bench_hf_decode(model_dir: Path, context: int, steps: int = 12) -> float:
 
 def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
     model_dir = write_model_dir(name, root)
-    engine = _engine(model_dir, args)
+    engine = build_engine(model_dir, args)
     top_k = getattr(engine.hf_config, "num_experts_per_tok", 0)
     shape = shape_of(engine.model, engine.hf_config, top_k)
     for cache in engine.runner.kv_caches:
