@@ -23,7 +23,6 @@ it checks the benchmark runs end to end, its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import re
 import subprocess
@@ -48,10 +47,19 @@ def _log(message: str) -> None:
     print(f"[serve {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def in_child(function, *args):
+    """function(*args) in a fresh spawned process: its GPU memory (CUDA context, graph pools,
+    the caching allocator) is given back entirely when it returns, which dropping an engine in
+    this process does not do."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
+
+
 def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int) -> dict:
     """Limits, then model step / engine step / floor per batch (bench/engine.py's decode case).
-    The engine is dropped and the GPU's cache emptied before returning."""
-    import torch
+    Run it in_child."""
 
     from tandem.bench.engine import bench_decode, build_engine
     from tandem.bench.engine_limits import measure_limits, shape_of
@@ -70,9 +78,6 @@ def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int
         rows[batch] = bench_decode(engine, shape, limits, batch, context, steps)
         _log(f"decode {batch}x{context}: {rows[batch]}")
     engine.shutdown()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
     return {"limits": limits.as_dict(), "decode": rows}
 
 
@@ -98,11 +103,14 @@ class ServedStack:
                 break
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"tandem up not ready in {ready_timeout_s:.0f} s "
-                                   f"(log: {log_path})")
+                raise RuntimeError(f"tandem up not ready in {ready_timeout_s:.0f} s; its log "
+                                   f"ends:\n{self.log_tail()}")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"tandem up exited with {self.proc.returncode} "
-                               f"(log: {log_path})")
+            raise RuntimeError(f"tandem up exited with {self.proc.returncode}; its log ends:\n"
+                               f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     @property
     def router(self) -> str:
@@ -158,7 +166,8 @@ def measure_served(model_dir: Path, args: argparse.Namespace, up_args: list[str]
 
 def measure_offline(model_dir: Path, model_info: dict, args: argparse.Namespace,
                     engine_args: dict) -> dict:
-    """LLM.generate of the requests the concurrency-N run sent (the same seed and draw)."""
+    """LLM.generate of the requests the concurrency-N run sent (the same seed and draw). Run it
+    in_child on a GPU, so that no other engine's memory is held."""
     from tandem.common.sampling_params import SamplingParams
     from tandem.llm import LLM
     from tandem.bench.workload import LengthDist
@@ -178,7 +187,6 @@ def measure_offline(model_dir: Path, model_info: dict, args: argparse.Namespace,
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
     tokens = sum(len(out.token_ids) for out in outputs)
-    gc.collect()
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_per_s": tokens / seconds}
 
 
@@ -283,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             load_flags = ["--load-format", "dummy"]
             engine_args = {"load_format": "dummy"}
             batches = [int(b) for b in args.batches.split(",") if b]
-            engine = measure_engine(model_dir, batches, args.input_len, args.steps)
+            engine = in_child(measure_engine, model_dir, batches, args.input_len, args.steps)
         served = measure_served(model_dir, args, load_flags + shlex.split(args.up_args), root)
         model_info = served["runs"][args.concurrency].model_info
-        offline = measure_offline(model_dir, model_info, args, engine_args)
+        offline = in_child(measure_offline, model_dir, model_info, args, engine_args)
         _log(f"offline LLM.generate: {offline}")
     report = build_report(engine, served, offline, args.concurrency)
     if args.out:
