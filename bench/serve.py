@@ -60,7 +60,6 @@ def in_child(function, *args):
 def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int) -> dict:
     """Limits, then model step / engine step / floor per batch (bench/engine.py's decode case).
     Run it in_child."""
-
     from tandem.bench.engine import bench_decode, build_engine
     from tandem.bench.engine_limits import measure_limits, shape_of
 
