@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tandem.bench.config import BenchmarkConfig
 from tandem.bench.disagg_stack import build_tiny_checkpoint, write_tokenizer
+from tandem.bench.engine import in_child
 from tandem.bench.runner import run_benchmark
 from tandem.bench.workload import synthetic_workload
 from tandem.stack import free_port
@@ -45,16 +46,6 @@ ROW = re.compile(r"\s+(\S+)\s+(\S+)\s+metrics http://(\S+)/metrics")
 
 def _log(message: str) -> None:
     print(f"[serve {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def in_child(function, *args):
-    """function(*args) in a fresh spawned process: its GPU memory (CUDA context, graph pools,
-    the caching allocator) is given back entirely when it returns, which dropping an engine in
-    this process does not do."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(function, args)
 
 
 def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int) -> dict:
