@@ -28,15 +28,15 @@ from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.warm_up import warm_up
 from tandem.workers.engine_health import EngineHealthWatch
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.block_access import kv_block_access
-from tandem.workers.kv.grpc_backend import KVTransferServicer
-from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.receiver import KVReceiver
 from tandem.workers.kv import nixl_backend
 from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
                                          nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.ops.jit_compiles import JitCompileWatch
+from tandem.workers.kv_transfer_service import KVTransferServicer
 from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, ROLES, PeerChannels,
                                       WorkerServicer)
 
@@ -185,7 +185,11 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
                                      tp_size=engine.config.tensor_parallel_size,
                                      kind=kv_cache_kind(engine.model))
-    blocks = kv_block_access(async_engine)
+    blocks = kv_block_access(
+        engine.runner.kv_caches, engine.config.tensor_parallel_size,
+        gather=lambda ids: async_engine.call(lambda e: e.runner.gather_kv_blocks(ids)),
+        scatter=lambda ids, joined: async_engine.call(
+            lambda e: e.runner.scatter_kv_blocks(ids, joined)))
     peers = PeerChannels(tls, internal_token)
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size

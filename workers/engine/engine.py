@@ -32,7 +32,7 @@ from tandem.workers.models.loader import load_hf_config
 from tandem.workers.ops.backend import KernelBackend, resolve_backend
 from tandem.workers.parallel.context import ParallelContext
 from tandem.workers.parallel.process_group import rank_device
-from tandem.workers.parallel.rank_runner import LeaderRunner, RankGroup
+from tandem.workers.executor.rank_runner import LeaderRunner, RankGroup
 from tandem.workers.parallel.validation import check_parallel_fits
 
 logger = get_logger(__name__)
