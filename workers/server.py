@@ -144,6 +144,7 @@ LOST_FOLLOWER_EXIT_CODE = 3
 
 async def serve(args: argparse.Namespace) -> None:
     from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
+    from tandem.workers.executor.executor import build_executor
 
     config = engine_config(args)
     # Before loading the model: refuse what cannot work whatever "auto" resolves to.
@@ -156,7 +157,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = WorkerMetrics(Path(args.model).name, args.role)
     compiles = JitCompileWatch(metrics.record_jit_compile)
     compiles.install()  # logs every Triton compile; warns about those while serving
-    engine = await asyncio.to_thread(LLMEngine, config)
+    executor = await asyncio.to_thread(build_executor, config)
+    engine = LLMEngine(config, executor)
     if engine.resolved.device.type == "cuda" and not args.skip_warm_up:
         await asyncio.to_thread(warm_up, engine)  # before the engine thread: one driver
     async_engine = AsyncEngine(engine,
@@ -244,8 +246,9 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     lost_follower = asyncio.Event()
-    if engine.rank_group is not None:  # a dead follower rank leaves the model unusable
-        engine.rank_group.followers.watch(lambda: loop.call_soon_threadsafe(
+    rank_group = engine.executor.rank_group
+    if rank_group is not None:  # a dead follower rank leaves the model unusable
+        rank_group.followers.watch(lambda: loop.call_soon_threadsafe(
             lambda: (lost_follower.set(), stop.set())))
     await stop.wait()
     logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
@@ -270,7 +273,7 @@ def _exit_without_teardown(engine) -> None:
     replaying CUDA graph too), so no step, synchronize or process-group teardown can be trusted
     to return. The gRPC server has already stopped; kill the remaining followers and exit now
     (non-zero, for the orchestrator to restart the pod); the OS frees the GPUs."""
-    engine.rank_group.followers.kill()
+    engine.executor.rank_group.followers.kill()
     print("tandem worker: a follower rank exited; stopped the worker", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,7 +1,9 @@
 """Imports run downward only (DESIGN.md, KV transfer): the KV transfer code (workers/kv/) and the
 rank-group code (workers/parallel/) import neither the engine, the async engine, the servicers
 nor the protobuf stubs (protobuf is converted at the edge, common/convert.py); common/ imports
-nothing from workers/. Every import statement counts, those inside functions too."""
+nothing from workers/. The engine steps an executor built before it (workers/executor/) and
+imports nothing that starts or drives other ranks. Every import statement counts, those inside
+functions too."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +17,8 @@ FORBIDDEN = {
     "workers/parallel": ("tandem.workers.engine", "tandem.workers.async_engine",
                          "tandem.workers.servicer", "tandem.v1", "tandem.common.convert"),
     "common": ("tandem.workers",),
+    "workers/engine/engine.py": ("tandem.workers.parallel", "tandem.workers.executor.rank_runner",
+                                 "tandem.workers.executor.followers"),
 }
 
 
@@ -36,8 +40,10 @@ def is_under(module: str, package: str) -> bool:
 
 
 def upward_imports(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    root = REPO_ROOT / folder
+    paths = root.rglob("*.py") if root.is_dir() else [root]
     return sorted({f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
-                   for path in (REPO_ROOT / folder).rglob("*.py")
+                   for path in paths
                    for line, module in imported_modules(path)
                    if any(is_under(module, package) for package in forbidden)})
 
@@ -52,6 +58,11 @@ def test_parallel_imports_nothing_above_it():
 
 def test_common_imports_nothing_from_workers():
     assert upward_imports("common", FORBIDDEN["common"]) == []
+
+
+def test_the_engine_neither_starts_nor_drives_other_ranks():
+    engine = "workers/engine/engine.py"
+    assert upward_imports(engine, FORBIDDEN[engine]) == []
 
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
