@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ from tandem.workers.kv import nixl_backend
 from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
                                          nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
+from tandem.workers.ops.kernel_options import KernelOptions
 from tandem.workers.ops.jit_compiles import JitCompileWatch
 from tandem.workers.kv_transfer_service import KVTransferServicer
 from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, ROLES, PeerChannels,
@@ -61,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "aiter-triton | torch")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every GPU decode step eagerly")
+    p.add_argument("--block-decode", action=argparse.BooleanOptionalAction,
+                   help="decode attention of up to 8 sequences by our whole-block CUDA kernel "
+                        "on sm_90+ (default: on, unless TANDEM_BLOCK_DECODE=0)")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction,
+                   help="programmatic dependent launch of our decode kernels on Hopper "
+                        "(default: on, unless TANDEM_PDL=0)")
+    p.add_argument("--one-shot-all-reduce", action=argparse.BooleanOptionalAction,
+                   help="small TP all-reduces by our one-shot kernel over CUDA IPC buffers "
+                        "(default: on, unless TANDEM_ONE_SHOT_ALL_REDUCE=0)")
+    p.add_argument("--kernel-cache", metavar="DIR",
+                   help="where our CUDA C++ kernels are built (default: $TANDEM_KERNEL_CACHE, "
+                        "else ~/.cache/tandem/kernels)")
     p.add_argument("--skip-warm-up", action="store_true",
                    help="GPU workers run synthetic requests before serving, so kernels compile "
                         "at startup (workers/engine/warm_up.py); this skips it")
@@ -136,7 +150,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
-        enforce_eager=args.enforce_eager, load_format=args.load_format)
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
+        kernel_options=kernel_options(args))
+
+
+def kernel_options(args: argparse.Namespace) -> KernelOptions:
+    """The environment's kernel options (TANDEM_*), with the flags given overriding them."""
+    given = {"block_decode": args.block_decode, "pdl": args.pdl,
+             "one_shot_all_reduce": args.one_shot_all_reduce, "kernel_cache": args.kernel_cache}
+    return dataclasses.replace(KernelOptions.from_env(),
+                               **{name: value for name, value in given.items()
+                                  if value is not None})
 
 
 LOST_FOLLOWER_EXIT_CODE = 3

@@ -34,6 +34,7 @@ from tandem.workers.engine.sampler import Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.executor.rank_runner import LeaderRunner, RankGroup
 from tandem.workers.models.loader import load_hf_config
+from tandem.workers.ops import kernel_options
 from tandem.workers.ops.backend import KernelBackend, resolve_backend
 from tandem.workers.parallel.context import ParallelContext
 from tandem.workers.parallel.process_group import rank_device
@@ -98,6 +99,7 @@ def build_executor(config: EngineConfig) -> Executor:
     """Loads the model on every rank (starting the follower ranks under TP), sizes and
     allocates the KV cache, captures the decode graphs. ValueError for a model or cache that
     cannot fit; every process started is stopped again when it raises."""
+    kernel_options.install(config.kernel_options)  # before any kernel runs or compiles
     hf_config = load_hf_config(config.model)
     check_parallel_fits(hf_config, config.tensor_parallel_size, config.enable_expert_parallel)
     parallel = ParallelContext(0, config.tensor_parallel_size, config.enable_expert_parallel)

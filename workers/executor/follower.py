@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> None:
                                                        destroy_rank_group, init_rank_group,
                                                        joined_key, rank_device)
     from tandem.workers.executor.rank_runner import follow_leader, num_kv_blocks_from_leader
+    from tandem.workers.ops import kernel_options
 
     torch.set_num_threads(args.num_threads)
     config = EngineConfig(**json.loads(args.engine_config))
@@ -71,7 +72,9 @@ def run(args: argparse.Namespace) -> None:
     device = rank_device(config.torch_device(), args.rank)
     store = connect_follower_store(args.store_port, args.world_size)
     store.set(joined_key(args.rank), "1")
-    control_group = init_rank_group(store, args.rank, args.world_size, device)
+    kernel_options.install(config.kernel_options)
+    control_group = init_rank_group(store, args.rank, args.world_size, device,
+                                    config.kernel_options.one_shot_all_reduce)
     try:
         start = memory_at_start(device)
         loaded = load_model(config, parallel)

@@ -60,7 +60,9 @@ class RankGroup:
         self.followers = FollowerProcesses(config, self._store.port)
         try:
             self.followers.wait_joined(self._store)
-            self.control_group = init_rank_group(self._store, 0, self.tp_size, device)
+            self.control_group = init_rank_group(
+                self._store, 0, self.tp_size, device,
+                config.kernel_options.one_shot_all_reduce)
         except BaseException:
             self.followers.kill()
             raise
