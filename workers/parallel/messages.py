@@ -25,7 +25,7 @@ Commands:
                so every rank allocates as many blocks as rank 0
     IPC_SETUP  no args: every rank readies cuda-ipc (compiles its gather, exports its cache) and
                sends rank 0 its export (parallel/ipc_ranks.py)
-    IPC_MAP    args (slot, num_bytes); payload = a source's ExportKVCacheResponse as bytes
+    IPC_MAP    args (slot, num_bytes); payload = a source's CudaIpcExport (kv_exports.to_bytes)
                (pack_bytes): rank r maps the source's rank r cache under `slot`
     IPC_POST   args (transfer, slot, num_blocks); payload = source block ids then destination
                block ids: every rank queues the copy of its share from the source mapped under
@@ -37,7 +37,7 @@ Commands:
                collectives of their warm-up passes and captures pair up
     NIXL_SETUP args (num_bytes,); payload = the worker's KVLayout as bytes: every rank creates
                its NIXL agent and sends rank 0 its export (parallel/nixl_ranks.py)
-    NIXL_LOAD  args (slot, num_bytes); payload = a source's ExportNixlAgentResponse as bytes:
+    NIXL_LOAD  args (slot, num_bytes); payload = a source's NixlAgentExport (to_bytes):
                rank r loads the source's ranks[r] agent under `slot`
     NIXL_POST  args (transfer, slot, num_blocks, timeout_ms); payload = source block ids
                then destination block ids: every rank posts the READ of its share from the
