@@ -37,13 +37,15 @@ def build_engine(model_dir: Path, args: argparse.Namespace):
     `args` (batches, contexts, steps, prefill, kernels, gpu_memory_utilization)."""
     from tandem.workers.engine.config import EngineConfig
     from tandem.workers.engine.engine import LLMEngine
+    from tandem.workers.executor.executor import build_executor
 
     max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill, default=0) + 8)
-    return LLMEngine(EngineConfig(
+    config = EngineConfig(
         model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
         max_model_len=max_len, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(args.prefill, default=2048),
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False))
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+    return LLMEngine(config, build_executor(config))
 
 
 def _install_prefilled(engine, batch: int, context: int, gen: torch.Generator) -> list[str]:

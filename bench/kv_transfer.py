@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -163,13 +164,12 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
                   num_source_blocks: int) -> list:
     import grpc
 
-    from tandem.common.convert import layout_to_proto
-    from tandem.v1 import worker_pb2, worker_pb2_grpc
+    from tandem.common.kv_exports import KVHandle
+    from tandem.common.kv_layout import KVLayout
     from tandem.workers.kv import cuda_ipc
     from tandem.workers.kv.block_access import DirectKVBlocks
-    from tandem.workers.kv.grpc_backend import pull_kv
-    from tandem.workers.kv.layout import KVLayout
     from tandem.workers.kv.receiver import KVReceiver
+    from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv
 
     on_gpu = args.device != "cpu"
     device = torch.device(ends(args)[1])
@@ -180,20 +180,18 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
     layout = KVLayout.from_kv_caches(caches)
     channel = grpc.aio.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", 64 << 20)])
+    peer = KVPeerClient(channel, layout)
     flat = cuda_ipc.flat_caches(caches)
     endpoint, receiver, check_peer, copier = None, None, None, None
     nixl_endpoint, nixl_receiver = None, None
     if "nixl" in args.backends.split(","):
         from tandem.workers.kv.nixl_backend import NixlKVAgent
 
-        export = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
-            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(layout)))
-        nixl_endpoint = export.endpoint
+        nixl_endpoint = (await peer.export_nixl(None)).endpoint
         nixl_receiver = KVReceiver("nixl", layout, DirectKVBlocks(caches), caches, device, 1,
                                    NixlKVAgent(caches, layout))
     if on_gpu:
-        export = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
-            worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(layout)))
+        export = await peer.export_cuda_ipc(None)
         endpoint = export.endpoint
         check_peer = cuda_ipc.open_peer(export, device)  # the source's bytes, for the checks
         source_flat = check_peer.caches
@@ -208,16 +206,17 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
         if on_gpu:
             torch.cuda.synchronize(device)
 
-    def handle_for(backend: str, n: int):
-        handle = worker_pb2.KVHandle(
-            handle_id=f"h{n}", backend="grpc", source_address=address,
-            layout=layout_to_proto(layout), num_tokens=n * args.block_size, num_blocks=n,
-            transports=(["cuda-ipc"] if on_gpu else []) + (["nixl"] if nixl_endpoint else [])
-            + ["grpc"], cuda_ipc=endpoint, nixl=nixl_endpoint)
+    def handle_for(backend: str, n: int) -> KVHandle:
+        cuda_ipc_endpoint = endpoint
         if backend == "cuda-ipc":  # as a prefill worker's handle: its blocks and lease
-            handle.cuda_ipc.block_ids.extend(handles[handle.handle_id])
-            handle.cuda_ipc.lease_deadline_monotonic = time.monotonic() + 3600
-        return handle
+            cuda_ipc_endpoint = dataclasses.replace(
+                endpoint, block_ids=tuple(handles[f"h{n}"]),
+                lease_deadline_monotonic=time.monotonic() + 3600)
+        return KVHandle(
+            handle_id=f"h{n}", num_blocks=n,
+            transports=tuple((["cuda-ipc"] if on_gpu else [])
+                             + (["nixl"] if nixl_endpoint else []) + ["grpc"]),
+            cuda_ipc=cuda_ipc_endpoint, nixl=nixl_endpoint)
 
     async def pull(backend: str, n: int, dst_sets: list[list[int]]) -> float:
         """Seconds for pulling the n-block handle into each of dst_sets at once."""
@@ -237,14 +236,14 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
                           timeout=600)
         elif len(dst_sets) == 1:
             pulling = nixl_receiver if backend == "nixl" else receiver
-            _, used = await pulling.pull(channel, address, handle, dst_sets[0], 0, 600)
+            _, used = await pulling.pull(peer, address, handle, dst_sets[0], 0, 600)
             assert used == backend.removesuffix("-lease"), used
         else:  # streamed: each puller pulls again as soon as its last pull landed
             stop_at, pulls = started + STREAM_WINDOW_SECONDS, []
 
             async def puller(dst_ids):
                 while not pulls or time.perf_counter() < stop_at:
-                    pulls.append((await receiver.pull(channel, address, handle, dst_ids, 0,
+                    pulls.append((await receiver.pull(peer, address, handle, dst_ids, 0,
                                                       600))[1])
 
             await asyncio.gather(*(puller(dst_ids) for dst_ids in dst_sets))

@@ -63,8 +63,8 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
 
     from tandem.v1 import worker_pb2_grpc
     from tandem.workers.kv.block_access import DirectKVBlocks
-    from tandem.workers.kv.grpc_backend import KVTransferServicer
-    from tandem.workers.kv.layout import KVLayout
+    from tandem.workers.kv_transfer_service import KVTransferServicer
+    from tandem.common.kv_layout import KVLayout
 
     device = ends(args)[0]
     if device != "cpu":

@@ -20,6 +20,7 @@ from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.engine import LLMEngine
+from tandem.workers.executor.executor import build_executor
 from tandem.workers.engine.sequence import Sequence, TokenLogprob
 
 logger = get_logger(__name__)
@@ -43,7 +44,8 @@ class LLM:
     """A whole engine in this process. Keyword arguments are EngineConfig fields."""
 
     def __init__(self, model: str | Path, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        config = EngineConfig(model=str(model), **engine_args)
+        self.engine = LLMEngine(config, build_executor(config))
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         try:
             self.tokenizer = _load_tokenizer(Path(model))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -28,15 +29,16 @@ from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.warm_up import warm_up
 from tandem.workers.engine_health import EngineHealthWatch
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.block_access import kv_block_access
-from tandem.workers.kv.grpc_backend import KVTransferServicer
-from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.receiver import KVReceiver
 from tandem.workers.kv import nixl_backend
 from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
                                          nixl_wanted, offered_transports)
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
+from tandem.workers.ops.kernel_options import KernelOptions
 from tandem.workers.ops.jit_compiles import JitCompileWatch
+from tandem.workers.kv_transfer_service import KVTransferServicer
 from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, ROLES, PeerChannels,
                                       WorkerServicer)
 
@@ -61,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "aiter-triton | torch")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every GPU decode step eagerly")
+    p.add_argument("--block-decode", action=argparse.BooleanOptionalAction,
+                   help="decode attention of up to 8 sequences by our whole-block CUDA kernel "
+                        "on sm_90+ (default: on, unless TANDEM_BLOCK_DECODE=0)")
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction,
+                   help="programmatic dependent launch of our decode kernels on Hopper "
+                        "(default: on, unless TANDEM_PDL=0)")
+    p.add_argument("--one-shot-all-reduce", action=argparse.BooleanOptionalAction,
+                   help="small TP all-reduces by our one-shot kernel over CUDA IPC buffers "
+                        "(default: on, unless TANDEM_ONE_SHOT_ALL_REDUCE=0)")
+    p.add_argument("--kernel-cache", metavar="DIR",
+                   help="where our CUDA C++ kernels are built (default: $TANDEM_KERNEL_CACHE, "
+                        "else ~/.cache/tandem/kernels)")
     p.add_argument("--skip-warm-up", action="store_true",
                    help="GPU workers run synthetic requests before serving, so kernels compile "
                         "at startup (workers/engine/warm_up.py); this skips it")
@@ -136,7 +150,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
-        enforce_eager=args.enforce_eager, load_format=args.load_format)
+        enforce_eager=args.enforce_eager, load_format=args.load_format,
+        kernel_options=kernel_options(args))
+
+
+def kernel_options(args: argparse.Namespace) -> KernelOptions:
+    """The environment's kernel options (TANDEM_*), with the flags given overriding them."""
+    given = {"block_decode": args.block_decode, "pdl": args.pdl,
+             "one_shot_all_reduce": args.one_shot_all_reduce, "kernel_cache": args.kernel_cache}
+    return dataclasses.replace(KernelOptions.from_env(),
+                               **{name: value for name, value in given.items()
+                                  if value is not None})
 
 
 LOST_FOLLOWER_EXIT_CODE = 3
@@ -144,6 +168,7 @@ LOST_FOLLOWER_EXIT_CODE = 3
 
 async def serve(args: argparse.Namespace) -> None:
     from tandem.workers.engine.engine import LLMEngine  # torch import: after arg parsing
+    from tandem.workers.executor.executor import build_executor
 
     config = engine_config(args)
     # Before loading the model: refuse what cannot work whatever "auto" resolves to.
@@ -156,7 +181,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = WorkerMetrics(Path(args.model).name, args.role)
     compiles = JitCompileWatch(metrics.record_jit_compile)
     compiles.install()  # logs every Triton compile; warns about those while serving
-    engine = await asyncio.to_thread(LLMEngine, config)
+    executor = await asyncio.to_thread(build_executor, config)
+    engine = LLMEngine(config, executor)
     if engine.resolved.device.type == "cuda" and not args.skip_warm_up:
         await asyncio.to_thread(warm_up, engine)  # before the engine thread: one driver
     async_engine = AsyncEngine(engine,
@@ -185,7 +211,11 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
                                      tp_size=engine.config.tensor_parallel_size,
                                      kind=kv_cache_kind(engine.model))
-    blocks = kv_block_access(async_engine)
+    blocks = kv_block_access(
+        engine.runner.kv_caches, engine.config.tensor_parallel_size,
+        gather=lambda ids: async_engine.call(lambda e: e.runner.gather_kv_blocks(ids)),
+        scatter=lambda ids, joined: async_engine.call(
+            lambda e: e.runner.scatter_kv_blocks(ids, joined)))
     peers = PeerChannels(tls, internal_token)
     device = engine.runner.kv_caches[0][0].device
     tp_size = engine.config.tensor_parallel_size
@@ -240,8 +270,9 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     lost_follower = asyncio.Event()
-    if engine.rank_group is not None:  # a dead follower rank leaves the model unusable
-        engine.rank_group.followers.watch(lambda: loop.call_soon_threadsafe(
+    rank_group = engine.executor.rank_group
+    if rank_group is not None:  # a dead follower rank leaves the model unusable
+        rank_group.followers.watch(lambda: loop.call_soon_threadsafe(
             lambda: (lost_follower.set(), stop.set())))
     await stop.wait()
     logger.info("shutting down: NOT_SERVING, %.0f s grace for in-flight calls",
@@ -266,7 +297,7 @@ def _exit_without_teardown(engine) -> None:
     replaying CUDA graph too), so no step, synchronize or process-group teardown can be trusted
     to return. The gRPC server has already stopped; kill the remaining followers and exit now
     (non-zero, for the orchestrator to restart the pod); the OS frees the GPUs."""
-    engine.rank_group.followers.kill()
+    engine.executor.rank_group.followers.kill()
     print("tandem worker: a follower rank exited; stopped the worker", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

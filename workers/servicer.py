@@ -13,18 +13,21 @@ import time
 
 import grpc
 
-from tandem.common.convert import (engine_params_from_proto, finish_reason_to_proto,
-                                   layout_from_proto, layout_to_proto, logprob_to_proto)
+from tandem.common.convert import (cuda_ipc_endpoint_to_proto, engine_params_from_proto,
+                                   finish_reason_to_proto, kv_handle_from_proto,
+                                   layout_from_proto, layout_to_proto, logprob_to_proto,
+                                   nixl_endpoint_to_proto)
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
+from tandem.common.kv_exports import CudaIpcEndpoint, NixlEndpoint
+from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
-from tandem.workers.kv.grpc_backend import pull_kv, release_kv
-from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
+from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
 
 logger = get_logger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -60,8 +63,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  layout: KVLayout, peers: PeerChannels, blocks: KVBlockAccess,
                  metrics: WorkerMetrics | None = None, kv_receiver=None,
                  kv_transports: list[str] | None = None,
-                 cuda_ipc_endpoint: worker_pb2.CudaIpcEndpoint | None = None,
-                 nixl_endpoint: worker_pb2.NixlEndpoint | None = None,
+                 cuda_ipc_endpoint: CudaIpcEndpoint | None = None,
+                 nixl_endpoint: NixlEndpoint | None = None,
                  kv_pull_failure: str = "recompute") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
@@ -241,10 +244,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         handle = worker_pb2.KVHandle(
             handle_id=request_id, backend="grpc", source_address=self.address,
             layout=layout_to_proto(self.layout), num_tokens=num_tokens, num_blocks=num_blocks,
-            lease_expires_at=time.time() + lease, transports=self.kv_transports,
-            nixl=self.nixl_endpoint)
+            lease_expires_at=time.time() + lease, transports=self.kv_transports)
+        if self.nixl_endpoint is not None:
+            handle.nixl.CopyFrom(nixl_endpoint_to_proto(self.nixl_endpoint))
         if self.cuda_ipc_endpoint is not None:
-            handle.cuda_ipc.CopyFrom(self.cuda_ipc_endpoint)
+            handle.cuda_ipc.CopyFrom(cuda_ipc_endpoint_to_proto(self.cuda_ipc_endpoint))
             if len(event.kv_blocks) >= num_blocks and event.lease_deadline > 0:
                 handle.cuda_ipc.block_ids.extend(event.kv_blocks[:num_blocks])
                 handle.cuda_ipc.lease_deadline_monotonic = event.lease_deadline
@@ -274,7 +278,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                           start_block, timeout=context.time_remaining())
             else:
                 num_bytes, _ = await self.kv_receiver.pull(
-                    channel, handle.source_address, handle, block_ids, start_block,
+                    KVPeerClient(channel, self.layout), handle.source_address,
+                    kv_handle_from_proto(handle), block_ids, start_block,
                     timeout=context.time_remaining())
         except (grpc.aio.AioRpcError, ValueError, KVTransportUnavailable,
                 KVTransferFailed) as exc:

@@ -32,12 +32,13 @@ def make_caches(device: str, kv_heads: int) -> list[tuple[torch.Tensor, torch.Te
 
 
 def source_main(kv_heads: int, queue, stop) -> None:
-    from tandem.workers.kv.layout import KVLayout
+    from tandem.common.kv_exports import to_bytes
+    from tandem.common.kv_layout import KVLayout
     from tandem.workers.kv.nixl_backend import NixlKVAgent
 
     caches = make_caches("cuda:0", kv_heads)
     agent = NixlKVAgent(caches, KVLayout.from_kv_caches(caches))
-    queue.put(agent.export().SerializeToString())
+    queue.put(to_bytes(agent.export()))
     stop.wait()
     agent.close()
 
@@ -73,8 +74,8 @@ def main(argv=None) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    from tandem.v1 import worker_pb2
-    from tandem.workers.kv.layout import KVLayout
+    from tandem.common.kv_exports import nixl_export_from_bytes
+    from tandem.common.kv_layout import KVLayout
     from tandem.workers.kv.nixl_backend import NixlKVAgent, block_runs, descriptor_rows
 
     ctx = mp.get_context("spawn")
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     source = ctx.Process(target=source_main, args=(args.kv_heads, queue, stop))
     source.start()
     try:
-        export = worker_pb2.ExportNixlAgentResponse.FromString(queue.get(timeout=300))
+        export = nixl_export_from_bytes(queue.get(timeout=300))
         torch.cuda.set_device(1)
         caches = make_caches("cuda:1", args.kv_heads)
         agent = NixlKVAgent(caches, KVLayout.from_kv_caches(caches))

@@ -48,14 +48,16 @@ def run_one(args: argparse.Namespace) -> dict:
     from tandem.bench.engine import _install_prefilled
     from tandem.workers.engine.config import EngineConfig
     from tandem.workers.engine.engine import LLMEngine
+    from tandem.workers.executor.executor import build_executor
 
     tp, mode, model_dir = args.one.split(",", 2)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(EngineConfig(
+    config = EngineConfig(
         model=model_dir, dtype="bfloat16", load_format="dummy", kernels="aiter-triton",
         tensor_parallel_size=int(tp), enforce_eager=mode == "eager",
         max_model_len=args.context + args.steps + 16, max_num_seqs=max(batches),
-        enable_prefix_caching=False))
+        enable_prefix_caching=False)
+    engine = LLMEngine(config, build_executor(config))
     gen = torch.Generator().manual_seed(0)
     result = {"graphed": engine.runner.graphs is not None, "ms": {}}
     try:

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from helpers.rank_processes import run_ranks
 
-from tandem.common.convert import layout_to_proto
-from tandem.v1 import worker_pb2
+from tandem.common.kv_exports import (CudaIpcEndpoint, CudaIpcExport,
+                                      cuda_ipc_cache_from_bytes, to_bytes)
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv import cuda_ipc
-from tandem.workers.kv.layout import KVLayout
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.ipc_ranks import RankIpcPeers
 
@@ -43,13 +43,12 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         caches = [(source[:, 2 * i], source[:, 2 * i + 1]) for i in range(LAYERS)]
         dest = torch.zeros_like(source)
         dest_caches = [(dest[:, 2 * i], dest[:, 2 * i + 1]) for i in range(LAYERS)]
-        exports = all_gather_bytes(cuda_ipc.export_rank_cache(caches).SerializeToString(),
-                                   None)
+        exports = all_gather_bytes(to_bytes(cuda_ipc.export_rank_cache(caches)), None)
         # ranks[r] = the other rank's cache: rank r maps ranks[r], so each copies its peer's.
         layout = KVLayout.from_kv_caches(caches, tp_rank=0, tp_size=WORLD)
-        response = worker_pb2.ExportKVCacheResponse(
-            layout=layout_to_proto(layout),
-            ranks=[worker_pb2.CudaIpcCache.FromString(exports[1 - r]) for r in range(WORLD)])
+        response = CudaIpcExport(
+            endpoint=CudaIpcEndpoint("", "", ""), layout=layout,
+            ranks=tuple(cuda_ipc_cache_from_bytes(exports[1 - r]) for r in range(WORLD)))
         ipc = RankIpcPeers(dest_caches, device, rank)
         results = {"map": failed_ranks(ipc.map(0, response), None)}
 

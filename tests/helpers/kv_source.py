@@ -50,10 +50,11 @@ def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -
     import grpc
 
     from tandem.bench.kv_transfer_source import PinnedHandlesEngine
+    from tandem.common.convert import nixl_endpoint_to_proto
     from tandem.v1 import worker_pb2_grpc
     from tandem.workers.kv.block_access import DirectKVBlocks
-    from tandem.workers.kv.grpc_backend import KVTransferServicer
-    from tandem.workers.kv.layout import KVLayout
+    from tandem.workers.kv_transfer_service import KVTransferServicer
+    from tandem.common.kv_layout import KVLayout
     from tandem.workers.kv.nixl_backend import NixlKVAgent
 
     engine = PinnedHandlesEngine(handles, BLOCK_SIZE)
@@ -69,7 +70,7 @@ def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -
                 KVTransferServicer(engine, layout, DirectKVBlocks(caches), None, agent),
                 server)
             ports[kind] = server.add_insecure_port("127.0.0.1:0")
-            endpoints[kind] = agent.endpoint.SerializeToString()
+            endpoints[kind] = nixl_endpoint_to_proto(agent.endpoint).SerializeToString()
             await server.start()
             servers.append(server)
         queue.put((ports, endpoints))

@@ -1,12 +1,13 @@
 """The engine's settings (given) and the values derived from the model and machine (resolved)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.workers.engine.kv_sizing import check_gpu_memory_utilization
 from tandem.workers.ops.backend import KERNEL_CHOICES
+from tandem.workers.ops.kernel_options import KernelOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -48,6 +49,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # With TP > 1: each rank holds whole experts (E / TP of them) instead of a slice of each.
     enable_expert_parallel: bool = False
+    # Switches for our GPU kernels (ops/kernel_options.py); the TANDEM_* variables by default.
+    kernel_options: KernelOptions = field(default_factory=KernelOptions.from_env)
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -71,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be "
                              f"True or False")
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+        if isinstance(self.kernel_options, dict):  # as dataclasses.asdict gave it (followers)
+            object.__setattr__(self, "kernel_options", KernelOptions(**self.kernel_options))
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise ValueError(f"kernel_options={self.kernel_options!r} is not a KernelOptions")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
 

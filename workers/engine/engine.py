@@ -5,35 +5,22 @@ Not thread-safe: one thread drives `step()`.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
 from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
-from tandem.workers.engine.config import EngineConfig, ResolvedConfig
-from tandem.workers.engine.cuda_graphs import default_capture_sizes
-from tandem.workers.engine.kv_sizing import KVCacheSize
-from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
-                                                  size_rank_kv_cache)
-from tandem.workers.engine.model_runner import ModelRunner
-from tandem.workers.engine.model_setup import LoadedModel, load_model
-from tandem.workers.engine.sampler import Sampler, advance_request_generator
+from tandem.workers.engine.config import EngineConfig
+from tandem.workers.engine.sampler import advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
-from tandem.workers.models.loader import load_hf_config
-from tandem.workers.ops.backend import KernelBackend, resolve_backend
-from tandem.workers.parallel.context import ParallelContext
-from tandem.workers.parallel.process_group import rank_device
-from tandem.workers.parallel.rank_runner import LeaderRunner, RankGroup
-from tandem.workers.parallel.validation import check_parallel_fits
+from tandem.workers.executor.executor import Executor
 
 logger = get_logger(__name__)
 
@@ -51,89 +38,36 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        """executor: built for this config (executor.build_executor), which loaded the model
+        and allocated its KV cache; the engine steps it and shuts it down."""
         self.config = config
-        started = time.monotonic()
-        hf_config = load_hf_config(config.model)
-        check_parallel_fits(hf_config, config.tensor_parallel_size,
-                            config.enable_expert_parallel)
-        parallel = ParallelContext(0, config.tensor_parallel_size,
-                                   config.enable_expert_parallel)
-        # Followers start first and load their shards while this rank loads its own.
-        self.rank_group = RankGroup(config, rank_device(config.torch_device(), 0)) \
-            if parallel.tp_size > 1 else None
-        try:
-            start = memory_at_start(rank_device(config.torch_device(), 0))
-            loaded = load_model(config, parallel, hf_config)
-            self._set_up(loaded, start)
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens",
-                    time.monotonic() - started, self.resolved.max_model_len,
-                    self.resolved.num_kv_blocks, config.block_size)
-
-    def _set_up(self, loaded: LoadedModel, start: MemoryAtStart | None) -> None:
-        config, hf_config, dtype, device = self.config, loaded.hf_config, loaded.dtype, \
-            loaded.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # graph capture and Triton launches below use it
-        max_model_len = loaded.max_model_len
-        self.model = loaded.model
-        capture_sizes = default_capture_sizes(config.max_num_seqs) \
-            if self._decode_graphs_possible(device) else []
-        num_kv_blocks = _resolve_num_kv_blocks(config, loaded, start, capture_sizes,
-                                               self.rank_group)
-        self.resolved = ResolvedConfig(
-            max_model_len=max_model_len, num_kv_blocks=num_kv_blocks, dtype=dtype, device=device,
-            vocab_size=hf_config.vocab_size,
-            eos_token_ids=eos_token_ids(config.model,
-                                        getattr(hf_config, "eos_token_id", None)))
-        self.hf_config = hf_config
-        self.block_manager = BlockManager(num_kv_blocks, config.block_size,
+        self.executor = executor
+        self.resolved = executor.resolved
+        self.model = executor.model
+        self.hf_config = executor.hf_config
+        self.block_manager = BlockManager(self.resolved.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        runner = ModelRunner(self.model, num_kv_blocks, config.block_size, dtype, device)
-        # With TP, rank 0's runner mirrors every step (and KV handoff) on the follower ranks.
-        self.runner = runner if self.rank_group is None else LeaderRunner(runner,
-                                                                          self.rank_group)
-        if capture_sizes:  # with TP, every rank captures (in step)
-            self.runner.enable_cuda_graphs(capture_sizes, max_model_len)
-        self.sampler = Sampler(self.resolved.eos_token_ids, seed=config.seed)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
         self.num_expired_leases = 0
         # Requests ended here, by status: a finish reason, "abort", or "pinned" (handed off).
         self.num_finished: Counter[str] = Counter()
         self.last_step: StepStats | None = None
+        logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens",
+                    self.resolved.max_model_len, self.resolved.num_kv_blocks, config.block_size)
+
+    @property
+    def runner(self):
+        """The executor's model runner: its KV cache (`kv_caches`) and decode graphs."""
+        return self.executor.runner
 
     def shutdown(self) -> None:
-        """Stop the follower ranks and leave their process group (TP); nothing to do on one
-        rank. Idempotent. Call it from the thread that drove the engine, after its last step."""
-        if self.rank_group is not None:
-            # NCCL's teardown waits for the CUDA graphs that captured its collectives (it hung
-            # in destroy_process_group with them alive, on 2 H200s): free them first. No
-            # runner yet: set-up failed (e.g. the KV cache did not fit) before any capture.
-            if hasattr(self, "runner"):
-                self.runner.release_cuda_graphs()
-            self.rank_group.shutdown()
-
-    def _decode_graphs_possible(self, device: torch.device) -> bool:
-        """Decode graphs on a GPU with the aiter-triton kernels, unless an op cannot replay
-        (host-side decisions, e.g. expert parallelism's all-to-all counts). TP ranks capture
-        together: the graphs hold their NCCL all-reduces, replayed in step as every rank
-        replays the same batch."""
-        config = self.config
-        if device.type != "cuda" or config.enforce_eager or \
-                resolve_backend(config.kernels, device.type) is not KernelBackend.AITER_TRITON:
-            return False
-        blockers = [name for name, m in self.model.named_modules()
-                    if not getattr(m, "supports_cuda_graphs", True)]
-        if blockers:
-            logger.info("decode runs eagerly: %s (and %d more) cannot replay in a CUDA graph",
-                        blockers[0], len(blockers) - 1)
-        return not blockers
+        """Shut the executor down (TP: stop the follower ranks). Idempotent. Call it from the
+        thread that drove the engine, after its last step."""
+        self.executor.shutdown()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, pin_after_prefill: bool = False,
@@ -278,9 +212,8 @@ class LLMEngine:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        logits = self.runner.run(batch)  # [N, V] for the sampled sequences
+        output = self.executor.execute(batch)
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
-        output = self.sampler(logits, sampled) if sampled else None
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_computed_blocks(item.seq)
@@ -322,23 +255,3 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.num_finished["deadline"] += 1
-
-
-def _resolve_num_kv_blocks(config: EngineConfig, loaded: LoadedModel,
-                           start: MemoryAtStart | None, capture_sizes: list[int],
-                           rank_group: RankGroup | None) -> int:
-    """Every rank sizes its own cache (memory_profile.py); under TP on GPUs the ranks profile
-    together and the smallest count wins (elsewhere the followers take rank 0's)."""
-    if rank_group is None or start is None or config.num_kv_blocks is not None:
-        size = size_rank_kv_cache(config, loaded, start, capture_sizes)
-    else:
-        own: list[KVCacheSize] = []
-
-        def size_own() -> int:
-            own.append(size_rank_kv_cache(config, loaded, start, capture_sizes))
-            return own[0].num_blocks
-
-        num_blocks = rank_group.smallest_kv_blocks(size_own, bool(capture_sizes))
-        size = dataclasses.replace(own[0], num_blocks=num_blocks)
-    logger.info("%s", size.describe())
-    return size.num_blocks

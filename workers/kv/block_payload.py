@@ -1,9 +1,9 @@
 """KV blocks as byte payloads: what the grpc transfer backend streams between workers.
 
 A layer's cache is a tuple of tensors (MHA: K at index 0, V at 1; MLA: the latent at 0; sparse
-MLA: the latent at 0, the indexer keys at 1; see layout.py). For each layer and each tensor
-index, the payload is the selected blocks of that tensor, [num_blocks, block_size, ...], as raw
-bytes cut into chunks. The sender reads pinned blocks (nobody writes them while pinned); the
+MLA: the latent at 0, the indexer keys at 1; see common/kv_layout.py). For each layer and each
+tensor index, the payload is the selected blocks of that tensor, [num_blocks, block_size, ...],
+as raw bytes cut into chunks. The sender reads pinned blocks (nobody writes them while pinned); the
 receiver writes into blocks it has allocated and not yet handed to the scheduler, so neither
 side races the engine's steps.
 """

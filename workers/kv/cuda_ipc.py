@@ -3,13 +3,13 @@ peer's cache, and copy blocks GPU to GPU (never through host memory).
 
     exporter = CudaIpcExporter(kv_caches, layout)   # prefill worker, once (TP: rank 0, with
                                                      # every rank's export_rank_cache)
-    exporter.export()                                # -> ExportKVCacheResponse
-    peer = open_peer(response, local_device, rank)   # decode worker (every TP rank), once
+    exporter.export()                                # -> kv_exports.CudaIpcExport
+    peer = open_peer(export, local_device, rank)     # decode worker (every TP rank), once
                                                      # per peer export_id
     copier = BlockCopier(peer.caches, local_caches)  # once per mapping
     copier.launch(src_ids, dst_ids, stream)          # per handle: a CUDA event to wait on
 
-Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
+Invariants (the lease/pin rules of kv_transfer_service.py apply unchanged):
 
 * The prefill worker's engine writes a block only while that block is allocated to a request it
   is computing. Blocks of a pinned handle are complete (the prefill step that pinned them read
@@ -38,10 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.common.convert import layout_from_proto, layout_to_proto
-from tandem.v1 import worker_pb2
+from tandem.common.kv_exports import CudaIpcCache, CudaIpcEndpoint, CudaIpcExport, CudaIpcTensor
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.block_payload import KVCaches
-from tandem.workers.kv.layout import KVLayout
 
 
 class CudaIpcUnavailable(RuntimeError):
@@ -94,7 +93,7 @@ def stacked_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
                             first.storage_offset())
 
 
-def export_rank_cache(kv_caches: KVCaches) -> worker_pb2.CudaIpcCache:
+def export_rank_cache(kv_caches: KVCaches) -> CudaIpcCache:
     """This process's cache tensors as CUDA IPC handles (one TP rank's share of an export).
     Call once per process: sharing a storage again would wrap its data pointer again."""
     tensors = flat_caches(kv_caches)
@@ -109,14 +108,13 @@ def export_rank_cache(kv_caches: KVCaches) -> worker_pb2.CudaIpcCache:
             fields = shared[storage.data_ptr()] = storage._share_cuda_()
         (_, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
          event_sync) = fields
-        messages.append(worker_pb2.CudaIpcTensor(
+        messages.append(CudaIpcTensor(
             storage_handle=handle, storage_size_bytes=size_bytes,
             storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
             ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-            event_sync_required=bool(event_sync), shape=list(t.shape),
-            stride=list(t.stride()), storage_offset=t.storage_offset()))
-    return worker_pb2.CudaIpcCache(device_uuid=device_uuid(tensors[0].device),
-                                   tensors=messages)
+            event_sync_required=bool(event_sync), shape=tuple(t.shape),
+            stride=tuple(t.stride()), storage_offset=t.storage_offset()))
+    return CudaIpcCache(device_uuid=device_uuid(tensors[0].device), tensors=tuple(messages))
 
 
 class CudaIpcExporter:
@@ -125,21 +123,20 @@ class CudaIpcExporter:
     setup_kv_ipc), so ranks[r] is rank r's share; None: this process's cache is the one rank."""
 
     def __init__(self, kv_caches: KVCaches, layout: KVLayout,
-                 rank_caches: list[worker_pb2.CudaIpcCache] | None = None) -> None:
+                 rank_caches: list[CudaIpcCache] | None = None) -> None:
         if rank_caches is None:
             rank_caches = [export_rank_cache(kv_caches)]
         if len(rank_caches) != layout.tp_size:
             raise ValueError(f"cuda-ipc export: {len(rank_caches)} rank caches for a layout of "
                              f"TP size {layout.tp_size}")
         self.layout = layout
-        self.endpoint = worker_pb2.CudaIpcEndpoint(
-            host_id=host_id(), device_uuid=rank_caches[0].device_uuid,
-            export_id=uuid.uuid4().hex)
-        self._response = worker_pb2.ExportKVCacheResponse(
-            endpoint=self.endpoint, layout=layout_to_proto(layout), ranks=rank_caches)
+        self.endpoint = CudaIpcEndpoint(host_id=host_id(),
+                                        device_uuid=rank_caches[0].device_uuid,
+                                        export_id=uuid.uuid4().hex)
+        self._export = CudaIpcExport(self.endpoint, layout, tuple(rank_caches))
 
-    def export(self) -> worker_pb2.ExportKVCacheResponse:
-        return self._response
+    def export(self) -> CudaIpcExport:
+        return self._export
 
 
 @dataclass
@@ -150,21 +147,20 @@ class MappedPeer:
     caches: list[torch.Tensor]  # layer-major, as flat_caches
 
 
-def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device,
-              rank: int = 0) -> MappedPeer:
+def open_peer(export: CudaIpcExport, device: torch.device, rank: int = 0) -> MappedPeer:
     """Maps every tensor of the source's rank `rank` on `device` (the receiver's rank of the
     same number: TP sizes match, the layout check saw to it). Raises CudaIpcUnavailable when
     CUDA refuses (another host's handle, no peer access between the GPUs, a separate IPC
     namespace) or the export holds no such rank."""
-    if rank >= len(response.ranks):
-        raise CudaIpcUnavailable(f"the source exported {len(response.ranks)} rank caches; "
+    if rank >= len(export.ranks):
+        raise CudaIpcUnavailable(f"the source exported {len(export.ranks)} rank caches; "
                                  f"this is rank {rank}")
-    dtype = getattr(torch, layout_from_proto(response.layout).dtype)
+    dtype = getattr(torch, export.layout.dtype)
     index = device.index if device.index is not None else torch.cuda.current_device()
     storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
     caches = []
     try:
-        for m in response.ranks[rank].tensors:
+        for m in export.ranks[rank].tensors:
             key = (m.storage_handle, m.storage_offset_bytes)
             storage = storages.get(key)
             if storage is None:
@@ -177,7 +173,7 @@ def open_peer(response: worker_pb2.ExportKVCacheResponse, device: torch.device,
             caches.append(tensor)
     except RuntimeError as exc:
         raise CudaIpcUnavailable(f"CUDA IPC open failed on cuda:{index}: {exc}") from exc
-    return MappedPeer(response.endpoint.export_id, caches)
+    return MappedPeer(export.endpoint.export_id, caches)
 
 
 def check_block_pairs(src_ids: list[int], dst_ids: list[int]) -> None:

@@ -3,15 +3,15 @@ through NVIDIA NIXL (UCX underneath: RDMA or TCP between hosts, shared memory or
 one host), from host ("DRAM") and GPU ("VRAM") caches alike.
 
     agent = NixlKVAgent(kv_caches, layout)        # every nixl worker, once: registers its cache
-    agent.export()                                # prefill: -> ExportNixlAgentResponse (cached)
-    peer = agent.add_peer(response)               # decode: once per peer export_id
+    agent.export()                                # prefill: -> NixlAgentExport (cached)
+    peer = agent.add_peer(export)                 # decode: once per peer export_id
     num_bytes = await agent.read_blocks(peer, src_ids, dst_ids, timeout)  # per handle
     read = agent.post_read(peer, src_ids, dst_ids, timeout)  # a TP rank: polled by rank 0
     read.check() -> done?; read.num_bytes; read.cancel()
     agent.remove_peer(peer)                       # the peer restarted (new export_id)
     agent.close()                                 # at shutdown
 
-Invariants (the lease/pin rules of grpc_backend.py apply unchanged):
+Invariants (the lease/pin rules of kv_transfer_service.py apply unchanged):
 
 * The prefill worker registers its whole cache once, at start-up, and never frees it: the
   registered regions and the addresses it exports stay valid for the process's life. A
@@ -45,11 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.common.kv_exports import NixlAgentExport, NixlEndpoint, TensorBlocks
 from tandem.common.logging import get_logger
-from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
-from tandem.workers.kv.layout import KVLayout
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.nixl_agent import MEM_TYPES, NixlAgent, NixlUnavailable, is_installed
 from tandem.workers.kv.transport import KVTransferFailed
 
@@ -57,17 +56,6 @@ __all__ = ["NixlKVAgent", "NixlPeer", "NixlUnavailable", "PostedRead",
            "TensorBlocks", "block_runs",
            "descriptor_rows", "is_installed", "registration_regions"]
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class TensorBlocks:
-    """Where one cache tensor's blocks are: block b is [base + b * stride, + block_bytes)."""
-
-    base_address: int
-    block_stride_bytes: int
-    block_bytes: int
-    num_blocks: int
-    device_id: int
 
 
 @dataclass
@@ -181,8 +169,8 @@ class NixlKVAgent:
             raise NixlUnavailable(f"registering the KV cache ({len(regions)} {self.mem_type} "
                                   f"regions) with NIXL failed: {exc}") from exc
         self.name = name
-        self.endpoint = worker_pb2.NixlEndpoint(agent_name=name, export_id=self.export_id)
-        self._response: worker_pb2.ExportNixlAgentResponse | None = None
+        self.endpoint = NixlEndpoint(agent_name=name, export_id=self.export_id)
+        self._export: NixlAgentExport | None = None
         # NIXL keeps one copy of a peer's metadata per agent name: a peer added twice (two
         # addresses of one source, two slots of a TP rank) is unloaded when the last goes.
         self._peer_refs: dict[str, int] = {}
@@ -190,26 +178,22 @@ class NixlKVAgent:
                     "in %.3f s", name, len(tensors), len(regions), self.mem_type,
                     sum(r[1] for r in regions) / 2**30, time.monotonic() - started)
 
-    def export(self) -> worker_pb2.ExportNixlAgentResponse:
-        if self._response is None:
-            self._response = worker_pb2.ExportNixlAgentResponse(
-                endpoint=self.endpoint, layout=layout_to_proto(self.layout),
+    def export(self) -> NixlAgentExport:
+        if self._export is None:
+            self._export = NixlAgentExport(
+                endpoint=self.endpoint, layout=self.layout,
                 agent_metadata=self._agent.metadata(), mem_type=self.mem_type,
-                tensors=[worker_pb2.NixlTensor(
-                    base_address=t.base_address, block_stride_bytes=t.block_stride_bytes,
-                    block_bytes=t.block_bytes, num_blocks=t.num_blocks, device_id=t.device_id)
-                    for t in self.tensors])
-        return self._response
+                tensors=tuple(self.tensors))
+        return self._export
 
-    def add_peer(self, response: worker_pb2.ExportNixlAgentResponse) -> NixlPeer:
+    def add_peer(self, export: NixlAgentExport) -> NixlPeer:
         """Loads a source's agent. ValueError when its cache cannot fill this one block for
         block; NixlUnavailable when NIXL refuses its metadata."""
-        layout_from_proto(response.layout).check_readable_by(self.layout)
-        if response.mem_type not in MEM_TYPES:
-            raise ValueError(f"nixl: the source's memory type {response.mem_type!r} is not "
+        export.layout.check_readable_by(self.layout)
+        if export.mem_type not in MEM_TYPES:
+            raise ValueError(f"nixl: the source's memory type {export.mem_type!r} is not "
                              f"one of {', '.join(MEM_TYPES)}")
-        remote = [TensorBlocks(t.base_address, t.block_stride_bytes, t.block_bytes,
-                               t.num_blocks, t.device_id) for t in response.tensors]
+        remote = list(export.tensors)
         if len(remote) != len(self.tensors):
             raise ValueError(f"nixl: the source exports {len(remote)} cache tensors, this "
                              f"worker has {len(self.tensors)}")
@@ -221,12 +205,12 @@ class NixlKVAgent:
                                  f"({r.num_blocks} blocks), this worker's "
                                  f"{local.block_bytes}")
         try:
-            name = self._agent.load_peer(response.agent_metadata)
+            name = self._agent.load_peer(export.agent_metadata)
         except Exception as exc:
-            raise NixlUnavailable(f"loading NIXL agent {response.endpoint.agent_name!r} "
+            raise NixlUnavailable(f"loading NIXL agent {export.endpoint.agent_name!r} "
                                   f"failed: {exc}") from exc
         self._peer_refs[name] = self._peer_refs.get(name, 0) + 1
-        return NixlPeer(name, response.endpoint.export_id, response.mem_type, remote)
+        return NixlPeer(name, export.endpoint.export_id, export.mem_type, remote)
 
     def remove_peer(self, peer: NixlPeer) -> None:
         refs = self._peer_refs.pop(peer.agent_name, 0) - 1

@@ -3,7 +3,7 @@ lease and one READ.
 
     nixl = NixlReceiver(reads, layout, mode)       # worker start-up: OneRankReads(agent), or
                                                    # a TP worker's nixl_ranks.RankGroupNixl
-    num_bytes, failure = await nixl.pull(channel, address, handle, block_ids, start_block,
+    num_bytes, failure = await nixl.pull(source, address, handle, block_ids, start_block,
                                          timeout)  # failure: why nixl cannot serve this peer
 
 Per peer (source address): ExportNixlAgent once, load the source's agent once
@@ -13,7 +13,7 @@ so nothing is ever read through a dead process's addresses. A peer whose agent d
 not tried again until its export_id changes (pull returns the failure; auto mode then goes by
 grpc).
 
-Per handle (lease rules of grpc_backend.py): LeaseKV renews the pin and names the blocks; the
+Per handle (lease rules of kv_transfer_service.py): LeaseKV renews the pin and names the blocks; the
 READ covers exactly those blocks, and waits at most until the lease ends; the caller releases
 the handle after pull returned. A READ that fails or times out raises KVTransferFailed.
 """
@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tandem.common.convert import layout_to_proto
+from tandem.common.kv_exports import KVHandle, NixlAgentExport
+from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
-from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.kv import transport
-from tandem.workers.kv.layout import KVLayout
 from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable
+from tandem.workers.kv.source import KVSource
 
 logger = get_logger(__name__)
 
@@ -39,8 +39,8 @@ class OneRankReads:
     def __init__(self, agent: NixlKVAgent) -> None:
         self.agent = agent
 
-    async def load_peer(self, response: worker_pb2.ExportNixlAgentResponse) -> NixlPeer:
-        return self.agent.add_peer(response)
+    async def load_peer(self, export: NixlAgentExport) -> NixlPeer:
+        return self.agent.add_peer(export)
 
     async def unload_peer(self, peer: NixlPeer) -> None:
         self.agent.remove_peer(peer)
@@ -62,30 +62,33 @@ class NixlReceiver:
     def loaded(self, address: str) -> NixlPeer | None:
         return self._peers.get(address)
 
-    async def pull(self, channel, address: str, handle: worker_pb2.KVHandle,
+    async def pull(self, source: KVSource, address: str, handle: KVHandle,
                    block_ids: list[int], start_block: int, timeout: float | None
                    ) -> tuple[int, str | None]:
         """(bytes read, None), or (0, why) when the source's agent cannot be loaded. Raises
-        grpc.aio.AioRpcError, ValueError or transport.KVTransferFailed."""
-        peer, failure = await self.peer(channel, address, handle, timeout)
+        what the source's calls raise (grpc.aio.AioRpcError), ValueError or
+        transport.KVTransferFailed."""
+        peer, failure = await self.peer(source, address, handle, timeout)
         if peer is None:
             return 0, failure
-        return await self._read(channel, address, peer, handle, block_ids, start_block,
+        return await self._read(source, address, peer, handle, block_ids, start_block,
                                 timeout), None
 
-    async def peer(self, channel, address: str, handle, timeout: float | None):
+    async def peer(self, source: KVSource, address: str, handle: KVHandle,
+                   timeout: float | None):
         """(peer, None) with the source's agent loaded, or (None, why it cannot be). The
         first handles from a peer, pulled together, load its agent once."""
-        export_id = handle.nixl.export_id
+        export_id = handle.nixl.export_id if handle.nixl is not None else ""
         if not export_id:
             return None, "the handle offers nixl without an endpoint"
         peer = self._peers.get(address)
         if peer is not None and peer.export_id == export_id:
             return peer, None
         async with self._loading.setdefault(address, asyncio.Lock()):
-            return await self._load(channel, address, export_id, timeout)
+            return await self._load(source, address, export_id, timeout)
 
-    async def _load(self, channel, address: str, export_id: str, timeout: float | None):
+    async def _load(self, source: KVSource, address: str, export_id: str,
+                    timeout: float | None):
         peer = self._peers.get(address)
         if peer is not None and peer.export_id == export_id:
             return peer, None  # loaded while this pull waited for the lock
@@ -93,15 +96,13 @@ class NixlReceiver:
             return None, "loading its NIXL agent failed before"
         if peer is not None:  # stale: the source restarted; never read through old metadata
             await self.reads.unload_peer(self._peers.pop(address))
-        response = await worker_pb2_grpc.KVTransferStub(channel).ExportNixlAgent(
-            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
-            timeout=timeout)
-        if response.endpoint.export_id != export_id:
+        export = await source.export_nixl(timeout)
+        if export.endpoint.export_id != export_id:
             raise ValueError(f"peer {address} exported NIXL agent "
-                             f"{response.endpoint.export_id}, the handle names {export_id}: "
+                             f"{export.endpoint.export_id}, the handle names {export_id}: "
                              f"it restarted in between")
         try:
-            peer = await self.reads.load_peer(response)
+            peer = await self.reads.load_peer(export)
         except NixlUnavailable as exc:
             self._failed[address] = export_id
             log = logger.error if self.mode == transport.NIXL else logger.warning
@@ -110,16 +111,14 @@ class NixlReceiver:
             return None, str(exc)
         logger.info("KV from %s over nixl: loaded agent %s (%d %s cache tensors%s)", address,
                     peer.agent_name, len(peer.tensors), peer.mem_type,
-                    f", on all {len(response.ranks)} ranks" if response.ranks else "")
+                    f", on all {len(export.ranks)} ranks" if export.ranks else "")
         self._peers[address] = peer
         return peer, None
 
-    async def _read(self, channel, address, peer, handle, block_ids, start_block,
+    async def _read(self, source, address, peer, handle, block_ids, start_block,
                     timeout) -> int:
         started = time.monotonic()
-        lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
-            worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
-            timeout=timeout)
+        lease = await source.lease(handle.handle_id, start_block, timeout)
         src_ids = list(lease.block_ids)
         if len(src_ids) != len(block_ids):
             raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "

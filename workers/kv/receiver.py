@@ -2,7 +2,8 @@
 
     receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
                           nixl_agent, engine)                             # worker start-up
-    num_bytes, backend = await receiver.pull(channel, handle, block_ids, start_block, timeout)
+    num_bytes, backend = await receiver.pull(source, address, handle, block_ids, start_block,
+                                             timeout)     # source: a kv.source.KVSource
 
 The caller has already checked the handle's layout (a mismatch is refused before any block is
 reserved) and releases the handle after pull returned. pull returns only after the blocks are
@@ -26,18 +27,16 @@ import asyncio
 import itertools
 import time
 
-import grpc
 import torch
 
-from tandem.common.convert import layout_to_proto
+from tandem.common.kv_exports import CudaIpcExport, KVHandle
+from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
-from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.kv import transport
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.cuda_ipc import CudaIpcUnavailable
-from tandem.workers.kv.grpc_backend import pull_kv
-from tandem.workers.kv.layout import KVLayout
+from tandem.workers.kv.source import KVSource
 
 logger = get_logger(__name__)
 
@@ -87,22 +86,22 @@ class KVReceiver:
             elif engine is None:
                 raise ValueError("KVReceiver: cuda-ipc under TP needs the engine")
 
-    async def pull(self, channel: grpc.aio.Channel, address: str,
-                   handle: worker_pb2.KVHandle, block_ids: list[int], start_block: int,
+    async def pull(self, source: KVSource, address: str, handle: KVHandle,
+                   block_ids: list[int], start_block: int,
                    timeout: float | None) -> tuple[int, str]:
-        """Returns (bytes moved, backend used). Raises grpc.aio.AioRpcError, ValueError,
-        transport.KVTransportUnavailable or transport.KVTransferFailed; blocks may be half
-        written then (abort the request)."""
-        endpoint = handle.cuda_ipc if handle.HasField("cuda_ipc") else None
+        """Returns (bytes moved, backend used). Raises what the source's calls raise
+        (grpc.aio.AioRpcError), ValueError, transport.KVTransportUnavailable or
+        transport.KVTransferFailed; blocks may be half written then (abort the request)."""
+        endpoint = handle.cuda_ipc
         transports = list(handle.transports)
         backend, why = self._choose(transports, endpoint)
         if backend == transport.CUDA_IPC:
             if self._failed.get(address) == endpoint.export_id:
                 why = "mapping its cache failed before"
             else:
-                mapped = await self._peer(channel, address, endpoint.export_id, timeout)
+                mapped = await self._peer(source, address, endpoint.export_id, timeout)
                 if mapped is not None:
-                    num_bytes = await self._pull_ipc(channel, mapped, handle, block_ids,
+                    num_bytes = await self._pull_ipc(source, mapped, handle, block_ids,
                                                      start_block, timeout)
                     return num_bytes, transport.CUDA_IPC
                 why = "mapping its cache failed"
@@ -114,7 +113,7 @@ class KVReceiver:
             backend, more = self._choose(transports, endpoint)
             why = f"cuda-ipc: {why}" + (f"; {more}" if backend == transport.GRPC else "")
         if backend == transport.NIXL:
-            num_bytes, failure = await self.nixl.pull(channel, address, handle, block_ids,
+            num_bytes, failure = await self.nixl.pull(source, address, handle, block_ids,
                                                       start_block, timeout)
             if failure is None:
                 return num_bytes, transport.NIXL
@@ -125,8 +124,8 @@ class KVReceiver:
         if address not in self._logged:
             logger.info("KV from %s over grpc: %s", address, why)
             self._logged.add(address)
-        num_bytes = await pull_kv(channel, handle, self.layout, self.blocks, block_ids,
-                                  start_block, timeout)
+        num_bytes = await source.pull_blocks(handle, self.blocks, block_ids, start_block,
+                                             timeout)
         return num_bytes, transport.GRPC
 
     def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
@@ -134,22 +133,21 @@ class KVReceiver:
             self.mode, transports, endpoint.host_id if endpoint else "", self._host_id,
             self.device.type, nixl_ready=self.nixl is not None)
 
-    async def _peer(self, channel, address: str, export_id: str, timeout: float | None):
+    async def _peer(self, source: KVSource, address: str, export_id: str,
+                    timeout: float | None):
         known = self._peers.get(address)
         if known is not None and known.export_id == export_id:
             return known
         self._peers.pop(address, None)  # stale: the source restarted; drop the old mapping
-        response = await worker_pb2_grpc.KVTransferStub(channel).ExportKVCache(
-            worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(self.layout)),
-            timeout=timeout)
-        if response.endpoint.export_id != export_id:
-            raise ValueError(f"peer {address} exported cache {response.endpoint.export_id}, "
+        export = await source.export_cuda_ipc(timeout)
+        if export.endpoint.export_id != export_id:
+            raise ValueError(f"peer {address} exported cache {export.endpoint.export_id}, "
                              f"the handle names {export_id}: it restarted in between")
         try:
             if self.tp_size == 1:
-                peer = await self._map_here(response)
+                peer = await self._map_here(export)
             else:
-                peer = await self._map_on_ranks(address, response)
+                peer = await self._map_on_ranks(address, export)
         except CudaIpcUnavailable as exc:
             self._failed[address] = export_id
             log = logger.error if self.mode == transport.CUDA_IPC else logger.warning
@@ -160,32 +158,31 @@ class KVReceiver:
         self._peers[address] = peer
         return peer
 
-    async def _map_here(self, response: worker_pb2.ExportKVCacheResponse) -> _LocalPeer:
+    async def _map_here(self, export: CudaIpcExport) -> _LocalPeer:
         from tandem.workers.kv import cuda_ipc
 
-        mapped = await asyncio.to_thread(cuda_ipc.open_peer, response, self.device)
+        mapped = await asyncio.to_thread(cuda_ipc.open_peer, export, self.device)
         copier = cuda_ipc.BlockCopier(mapped.caches, self._local)
         return _LocalPeer(mapped.export_id, copier, self._copies,
                           f"mapped {len(mapped.caches)} cache tensors on {self.device} ("
                           f"{'one gather' if copier.one_launch else 'a gather per tensor'})")
 
-    async def _map_on_ranks(self, address: str,
-                            response: worker_pb2.ExportKVCacheResponse) -> _RankGroupPeer:
-        if len(response.ranks) != self.tp_size:
-            raise CudaIpcUnavailable(f"the source exported {len(response.ranks)} rank caches, "
+    async def _map_on_ranks(self, address: str, export: CudaIpcExport) -> _RankGroupPeer:
+        if len(export.ranks) != self.tp_size:
+            raise CudaIpcUnavailable(f"the source exported {len(export.ranks)} rank caches, "
                                      f"this worker has {self.tp_size} ranks")
         slot = self._slots.setdefault(address, len(self._slots))
-        failed = await self._engine.call(lambda e: e.runner.map_kv_peer(slot, response))
+        failed = await self._engine.call(lambda e: e.runner.map_kv_peer(slot, export))
         if failed:
             raise CudaIpcUnavailable(f"mapping the source's cache failed on rank(s) {failed} "
                                      f"(see their logs)")
         every_rank_block_bytes = (self.layout.tp_size * self.layout.num_layers
                                   * self.layout.bytes_per_layer_block)
-        return _RankGroupPeer(response.endpoint.export_id, self._engine, slot,
+        return _RankGroupPeer(export.endpoint.export_id, self._engine, slot,
                               every_rank_block_bytes, self._transfers,
                               f"mapped on all {self.tp_size} ranks (slot {slot})")
 
-    async def _pull_ipc(self, channel, peer, handle, block_ids, start_block, timeout) -> int:
+    async def _pull_ipc(self, source, peer, handle, block_ids, start_block, timeout) -> int:
         """Copy by cuda-ipc. The handle names its pinned blocks and their deadline on this
         host's monotonic clock; with LEASE_MARGIN_SECONDS left the copy starts at once, else
         LeaseKV renews the pin first (and returns the blocks). Copies of handles pulled in the
@@ -197,9 +194,7 @@ class KVReceiver:
             deadline = endpoint.lease_deadline_monotonic
         else:
             started = time.monotonic()
-            lease = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
-                worker_pb2.LeaseKVRequest(handle_id=handle.handle_id, start_block=start_block),
-                timeout=timeout)
+            lease = await source.lease(handle.handle_id, start_block, timeout)
             src_ids = list(lease.block_ids)
             deadline = started + lease.lease_seconds
         if len(src_ids) != len(block_ids):

@@ -71,7 +71,7 @@ class Attention(nn.Module):
     `self_attn.attn.sinks`; its weight_loader takes this rank's heads from the full tensor.
     """
 
-    kv_cache_kind = "mha"  # kv/layout.py
+    kv_cache_kind = "mha"  # common/kv_layout.py
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  backend: KernelBackend = KernelBackend.TORCH, *,

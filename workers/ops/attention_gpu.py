@@ -24,12 +24,12 @@ captured with meta.max_seq_len = max_model_len replays correctly at any context 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from tandem.workers.ops import kernel_options
 from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
@@ -92,8 +92,9 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
 
 def use_block_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether decode_attention runs the whole-block kernel for this batch (its size, dtype,
-    heads and cache layout; TANDEM_BLOCK_DECODE=0 turns it off)."""
-    if q.shape[0] > BLOCK_DECODE_MAX_SEQS or os.environ.get("TANDEM_BLOCK_DECODE") == "0":
+    heads and cache layout; KernelOptions.block_decode, TANDEM_BLOCK_DECODE=0, turns it
+    off)."""
+    if q.shape[0] > BLOCK_DECODE_MAX_SEQS or not kernel_options.current().block_decode:
         return False
     return _block_decode_reason(q.device, q.dtype, q.shape[1], tuple(k_cache.shape),
                                 k_cache.stride(), v_cache.stride(), k_cache.dtype,

@@ -20,7 +20,7 @@ Cache layout, per layer, beside the MLA latent and with the same blocks and slot
 
 A decode step (or a later prefill chunk, or a prefill after a prefix-cache hit) scores every
 earlier token from this cache, so the cache must travel with the latents in a KV handoff
-(kv/layout.py kind "mla_indexer").
+(common/kv_layout.py kind "mla_indexer").
 """
 from __future__ import annotations
 

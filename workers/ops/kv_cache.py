@@ -1,7 +1,7 @@
 """The contract between an op that keeps a paged KV cache and the model runner that allocates it.
 
 Each such op says which tensors it needs (`kv_cache_shapes`) and which kind of cache they make
-(`kv_cache_kind`, the name a KV handle's layout carries; kv/layout.py):
+(`kv_cache_kind`, the name a KV handle's layout carries; common/kv_layout.py):
 
     kind           op                              tensors per layer, in bind order
     "mha"          Attention (attention.py)        K, V: [num_blocks, block_size, KVH, head_dim]

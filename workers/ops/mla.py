@@ -20,7 +20,7 @@ Block tables, slot mapping and the flat mixed batch are those of `attention.py`
 (`AttentionMetadata`): sequence i's queries are its last query_len positions and attend causally
 to all seq_len cached positions (earlier chunks and prefix-cache hits included). An MHA cache of
 the same model would hold H_total * (Dn + P + Dv) values per token and layer instead of R + P
-(DeepSeek-V3: 40,960 against 576; see kv/layout.py).
+(DeepSeek-V3: 40,960 against 576; see common/kv_layout.py).
 
 Two exact rewrites of the same attention, chosen per sequence:
 
@@ -53,7 +53,7 @@ class MLAAttention(nn.Module):
     Backends: torch (`mla_attention_torch`, any device) and aiter-triton (mla_gpu.py: our
     split-KV Triton decode kernel over the latent cache, SDPA for prefills)."""
 
-    kv_cache_kind = "mla"  # kv/layout.py
+    kv_cache_kind = "mla"  # common/kv_layout.py
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, kv_lora_rank: int, scale: float,

@@ -32,8 +32,8 @@ import time
 import torch
 from torch.distributed import ProcessGroup
 
+from tandem.common.kv_exports import CudaIpcExport, cuda_ipc_export_from_bytes, to_bytes
 from tandem.common.logging import get_logger
-from tandem.v1 import worker_pb2
 from tandem.workers.kv import cuda_ipc
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
@@ -70,15 +70,15 @@ class RankIpcPeers:
         per process (sharing a storage again would wrap its pointer again)."""
         if self._export is None:
             cuda_ipc.BlockCopier(self.local, self.local).precompile()
-            self._export = cuda_ipc.export_rank_cache(self.kv_caches).SerializeToString()
+            self._export = to_bytes(cuda_ipc.export_rank_cache(self.kv_caches))
         return self._export
 
-    def map(self, slot: int, response: worker_pb2.ExportKVCacheResponse) -> bool:
+    def map(self, slot: int, export: CudaIpcExport) -> bool:
         """Maps the source's cache of this rank's number under `slot` (replacing what was
         there); False, logged, when CUDA refuses."""
         self._copiers.pop(slot, None)  # a stale mapping is never used again
         try:
-            peer = cuda_ipc.open_peer(response, self.device, self.rank)
+            peer = cuda_ipc.open_peer(export, self.device, self.rank)
             self._copiers[slot] = cuda_ipc.BlockCopier(peer.caches, self.local)
         except (cuda_ipc.CudaIpcUnavailable, ValueError) as exc:
             logger.warning("rank %d: cuda-ipc map of slot %d failed: %s", self.rank, slot, exc)
@@ -157,9 +157,8 @@ def follow_ipc_command(ipc: RankIpcPeers, command: Command, header: torch.Tensor
         all_gather_bytes(ipc.setup(), group)
     elif command is Command.IPC_MAP:
         slot, num_bytes = int(header[1]), int(header[2])
-        response = worker_pb2.ExportKVCacheResponse.FromString(unpack_bytes(payload,
-                                                                            num_bytes))
-        failed_ranks(ipc.map(slot, response), group)
+        export = cuda_ipc_export_from_bytes(unpack_bytes(payload, num_bytes))
+        failed_ranks(ipc.map(slot, export), group)
     elif command is Command.IPC_POST:
         transfer, slot, num_blocks = (int(v) for v in header[1:4])
         ids = payload.tolist()

@@ -7,13 +7,13 @@ header gives:
 
 Rank 0 broadcasts them on the control group as one fixed-size message, [header | the first
 INLINE_PAYLOAD payload values, zero-padded], then the payload values past those, if any, as a
-second broadcast (`frame_command` / `receive_command` in rank_runner.py). A decode step's
+second broadcast (`frame_command` / `receive_command` in executor/rank_runner.py). A decode step's
 inputs fit the first message, so a step costs one broadcast (two cost ~2x as long over gloo).
 Commands:
 
     STEP       args (T, B, M, N, max_query_len, max_seq_len); payload = the ModelInputs packed
                as input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
-               block_tables[B*M] logits_indices[N]
+               block_tables[B*M] logits_indices[N] (executor/step_inputs.py)
     GATHER_KV  args (num_blocks,); payload = block ids: every rank sends rank 0 its KV shard
     SCATTER_KV args (num_blocks,); payload = block ids: rank 0 sends every rank its KV shard
     STOP       no args: followers leave their loop and exit
@@ -25,7 +25,7 @@ Commands:
                so every rank allocates as many blocks as rank 0
     IPC_SETUP  no args: every rank readies cuda-ipc (compiles its gather, exports its cache) and
                sends rank 0 its export (parallel/ipc_ranks.py)
-    IPC_MAP    args (slot, num_bytes); payload = a source's ExportKVCacheResponse as bytes
+    IPC_MAP    args (slot, num_bytes); payload = a source's CudaIpcExport (kv_exports.to_bytes)
                (pack_bytes): rank r maps the source's rank r cache under `slot`
     IPC_POST   args (transfer, slot, num_blocks); payload = source block ids then destination
                block ids: every rank queues the copy of its share from the source mapped under
@@ -37,7 +37,7 @@ Commands:
                collectives of their warm-up passes and captures pair up
     NIXL_SETUP args (num_bytes,); payload = the worker's KVLayout as bytes: every rank creates
                its NIXL agent and sends rank 0 its export (parallel/nixl_ranks.py)
-    NIXL_LOAD  args (slot, num_bytes); payload = a source's ExportNixlAgentResponse as bytes:
+    NIXL_LOAD  args (slot, num_bytes); payload = a source's NixlAgentExport (to_bytes):
                rank r loads the source's ranks[r] agent under `slot`
     NIXL_POST  args (transfer, slot, num_blocks, timeout_ms); payload = source block ids
                then destination block ids: every rank posts the READ of its share from the
@@ -52,8 +52,6 @@ from enum import IntEnum
 
 import torch
 
-from tandem.workers.engine.model_runner import ModelInputs
-from tandem.workers.ops.attention import AttentionMetadata
 
 HEADER_LEN = 8
 INLINE_PAYLOAD = 8184  # payload values in a command's first message (64 KiB in all)
@@ -86,19 +84,6 @@ def make_header(command: Command, *args: int) -> torch.Tensor:
     header[0] = int(command)
     header[1:1 + len(args)] = torch.tensor(args, dtype=torch.int64)
     return header
-
-
-def pack_inputs(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelInputs -> (header, payload), both int64 on the host."""
-    meta = inputs.meta
-    num_tokens = inputs.input_ids.numel()
-    num_seqs, max_blocks = meta.block_tables.shape
-    parts = [inputs.input_ids, inputs.positions, meta.slot_mapping, meta.query_start_loc,
-             meta.seq_lens, meta.block_tables.reshape(-1), inputs.logits_indices]
-    payload = torch.cat([part.to(device="cpu", dtype=torch.int64) for part in parts])
-    header = make_header(Command.STEP, num_tokens, num_seqs, max_blocks,
-                         inputs.logits_indices.numel(), meta.max_query_len, meta.max_seq_len)
-    return header, payload
 
 
 def payload_length(header: torch.Tensor) -> int:
@@ -156,25 +141,3 @@ def pack_bytes(data: bytes) -> torch.Tensor:
 
 def unpack_bytes(values: torch.Tensor, num_bytes: int) -> bytes:
     return values.contiguous().view(torch.uint8).numpy().tobytes()[:num_bytes]
-
-
-def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
-                  device: torch.device) -> ModelInputs:
-    """The inverse of `pack_inputs`, with tensors on `device` in the dtypes the runner uses
-    (one host-to-device copy of the whole payload; the parts are views of it)."""
-    num_tokens, num_seqs, max_blocks, num_logits, max_query_len, max_seq_len = \
-        header[1:7].tolist()
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
-             num_seqs * max_blocks, num_logits]
-    (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-     logits_indices) = payload.to(device).split(sizes)
-    host_query_start_loc, host_seq_lens = payload.split(sizes)[3:5]
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc.to(torch.int32),
-        seq_lens=seq_lens.to(torch.int32),
-        block_tables=block_tables.view(num_seqs, max_blocks).to(torch.int32),
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
-        query_start_loc_host=host_query_start_loc.tolist(),
-        seq_lens_host=host_seq_lens.tolist())
-    return ModelInputs(input_ids, positions, meta, logits_indices)

@@ -7,7 +7,7 @@ every rank reads the same src -> dst pairs of its own heads. As in ipc_ranks.py,
 the ranks through the control channel from the engine thread:
 
     setup   NIXL_SETUP: every rank creates its agent over its cache; rank 0 gathers the
-            exports and serves them as ExportNixlAgentResponse.ranks
+            exports and serves them as NixlAgentExport.ranks
     load    NIXL_LOAD: rank r loads the source's ranks[r] under a slot
     read    NIXL_POST: every rank posts the READ of its share under a transfer id, then
             NIXL_POLL (rank 0's event loop sends one every <= 2 ms: rank_transfers.py) until
@@ -34,13 +34,12 @@ import itertools
 
 from torch.distributed import ProcessGroup
 
-from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.common.kv_exports import (NixlAgentExport, layout_from_bytes,
+                                      nixl_export_from_bytes, to_bytes)
+from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
-from tandem.v1 import worker_pb2
 from tandem.workers.kv.block_payload import KVCaches
-from tandem.workers.kv.layout import KVLayout
-from tandem.workers.kv.nixl_backend import (NixlKVAgent, NixlPeer, NixlUnavailable,
-                                            PostedRead, TensorBlocks)
+from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable, PostedRead
 from tandem.workers.kv.transport import KVTransferFailed
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.messages import Command, unpack_bytes
@@ -71,19 +70,19 @@ class RankNixl:
             except (NixlUnavailable, ValueError) as exc:
                 logger.error("rank %d: no NIXL agent: %s", self.rank, exc)
                 return b""
-            self._export = self.agent.export().SerializeToString()
+            self._export = to_bytes(self.agent.export())
         return self._export
 
-    def load(self, slot: int, response: worker_pb2.ExportNixlAgentResponse) -> bool:
+    def load(self, slot: int, export: NixlAgentExport) -> bool:
         """Loads the source's agent of this rank's number under `slot`; False, logged, when
         it cannot be."""
         self.unload(slot)
         try:
             if self.agent is None:
                 raise NixlUnavailable("this rank has no NIXL agent")
-            if len(response.ranks) <= self.rank:
-                raise ValueError(f"the source exported {len(response.ranks)} rank agents")
-            self._peers[slot] = self.agent.add_peer(response.ranks[self.rank])
+            if len(export.ranks) <= self.rank:
+                raise ValueError(f"the source exported {len(export.ranks)} rank agents")
+            self._peers[slot] = self.agent.add_peer(export.ranks[self.rank])
         except (NixlUnavailable, ValueError) as exc:
             logger.warning("rank %d: loading NIXL source %d failed: %s", self.rank, slot, exc)
             return False
@@ -146,17 +145,14 @@ class RankNixl:
             self.agent.close()
 
 
-def merge_rank_exports(exports: list[bytes]) -> worker_pb2.ExportNixlAgentResponse:
+def merge_rank_exports(exports: list[bytes]) -> NixlAgentExport:
     """Every rank's export (rank order) -> the worker's: rank 0's fields plus `ranks`.
     NixlUnavailable naming the ranks whose agent was not created."""
     failed = [rank for rank, data in enumerate(exports) if not data]
     if failed:
         raise NixlUnavailable(f"no NIXL agent on rank(s) {failed} (see their logs)")
-    ranks = [worker_pb2.ExportNixlAgentResponse.FromString(data) for data in exports]
-    merged = worker_pb2.ExportNixlAgentResponse()
-    merged.CopyFrom(ranks[0])
-    merged.ranks.extend(ranks)
-    return merged
+    ranks = tuple(nixl_export_from_bytes(data) for data in exports)
+    return dataclasses.replace(ranks[0], ranks=ranks)
 
 
 class RankGroupNixl:
@@ -164,8 +160,7 @@ class RankGroupNixl:
     and what NixlReceiver calls (load_peer, unload_peer, read), each an engine command that
     every rank runs (LeaderRunner's *_kv_nixl methods)."""
 
-    def __init__(self, engine, export: worker_pb2.ExportNixlAgentResponse,
-                 tp_size: int) -> None:
+    def __init__(self, engine, export: NixlAgentExport, tp_size: int) -> None:
         self._engine = engine
         self._export = export
         self.tp_size = tp_size
@@ -176,31 +171,29 @@ class RankGroupNixl:
     @classmethod
     async def start(cls, engine, layout: KVLayout) -> RankGroupNixl:
         """Creates every rank's agent. Raises NixlUnavailable when one could not be."""
-        export = await engine.call(lambda e: e.runner.setup_kv_nixl(layout_to_proto(layout)))
+        export = await engine.call(lambda e: e.runner.setup_kv_nixl(layout))
         logger.info("NIXL agents on all %d ranks (rank 0: %s)", len(export.ranks),
                     export.endpoint.agent_name)
         return cls(engine, export, len(export.ranks))
 
-    def export(self) -> worker_pb2.ExportNixlAgentResponse:
+    def export(self) -> NixlAgentExport:
         return self._export
 
-    async def load_peer(self, response: worker_pb2.ExportNixlAgentResponse) -> NixlPeer:
+    async def load_peer(self, export: NixlAgentExport) -> NixlPeer:
         """Loads a source's rank agents on every rank. NixlUnavailable when any rank could
         not (or the source has another TP size)."""
-        if len(response.ranks) != self.tp_size:
-            raise NixlUnavailable(f"the source exported {len(response.ranks)} rank agents, "
+        if len(export.ranks) != self.tp_size:
+            raise NixlUnavailable(f"the source exported {len(export.ranks)} rank agents, "
                                   f"this worker has {self.tp_size} ranks")
         slot = next(self._slots)
-        failed = await self._engine.call(lambda e: e.runner.load_kv_nixl_peer(slot, response))
+        failed = await self._engine.call(lambda e: e.runner.load_kv_nixl_peer(slot, export))
         if failed:
             await self._engine.call(lambda e: e.runner.unload_kv_nixl_peer(slot))
             raise NixlUnavailable(f"loading the source's agents failed on rank(s) {failed} "
                                   f"(see their logs)")
-        first = response.ranks[0]
-        tensors = [TensorBlocks(t.base_address, t.block_stride_bytes, t.block_bytes,
-                                t.num_blocks, t.device_id) for t in first.tensors]
-        return NixlPeer(first.endpoint.agent_name, response.endpoint.export_id,
-                        first.mem_type, tensors, slot=slot)
+        first = export.ranks[0]
+        return NixlPeer(first.endpoint.agent_name, export.endpoint.export_id,
+                        first.mem_type, list(first.tensors), slot=slot)
 
     async def unload_peer(self, peer: NixlPeer) -> None:
         await self._engine.call(lambda e: e.runner.unload_kv_nixl_peer(peer.slot))
@@ -228,14 +221,12 @@ def follow_nixl_command(nixl: RankNixl, command: Command, header, payload,
     """A follower's side of NIXL_SETUP / NIXL_LOAD / NIXL_POST / NIXL_POLL / NIXL_UNLOAD;
     returns the outcome of a post or a poll (every rank sees the same), else None."""
     if command is Command.NIXL_SETUP:
-        layout = layout_from_proto(worker_pb2.KVLayout.FromString(
-            unpack_bytes(payload, int(header[1]))))
+        layout = layout_from_bytes(unpack_bytes(payload, int(header[1])))
         all_gather_bytes(nixl.setup(layout), group)
     elif command is Command.NIXL_LOAD:
         slot, num_bytes = int(header[1]), int(header[2])
-        response = worker_pb2.ExportNixlAgentResponse.FromString(unpack_bytes(payload,
-                                                                              num_bytes))
-        failed_ranks(nixl.load(slot, response), group)
+        export = nixl_export_from_bytes(unpack_bytes(payload, num_bytes))
+        failed_ranks(nixl.load(slot, export), group)
     elif command is Command.NIXL_POST:
         transfer, slot, num_blocks, timeout_ms = (int(v) for v in header[1:5])
         ids = payload.tolist()

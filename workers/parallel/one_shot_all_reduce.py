@@ -24,12 +24,11 @@ resident at once (at most MAX_PROGRAMS small programs), so the spin of step 4 ca
 program its peer waits for.
 
 Used for tensors of at most MAX_BYTES on CUDA; anything else goes to torch.distributed.
-TANDEM_ONE_SHOT_ALL_REDUCE=0 turns it off; it is also off unless every pair of the group's
+KernelOptions.one_shot_all_reduce (TANDEM_ONE_SHOT_ALL_REDUCE=0) turns it off; it is also off
+unless every pair of the group's
 GPUs has peer access (decided on all ranks together).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -106,12 +105,13 @@ class OneShotAllReduce:
         self._counters = torch.zeros(MAX_BYTES // 2 // BLOCK, dtype=torch.int32, device=device)
 
     @classmethod
-    def create(cls, group: ProcessGroup | None, device: torch.device) -> OneShotAllReduce | None:
+    def create(cls, group: ProcessGroup | None, device: torch.device,
+               enabled: bool = True) -> OneShotAllReduce | None:
         """Collective over `group` (the gloo control group): None on every rank when any rank
-        cannot use it (no peer access, more than MAX_WORLD ranks, turned off)."""
+        cannot use it (no peer access, more than MAX_WORLD ranks, turned off: enabled is
+        KernelOptions.one_shot_all_reduce)."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        usable = (os.environ.get("TANDEM_ONE_SHOT_ALL_REDUCE", "1") != "0"
-                  and device.type == "cuda" and torch.version.hip is None
+        usable = (enabled and device.type == "cuda" and torch.version.hip is None
                   and 2 <= world <= MAX_WORLD)
         index = device.index if device.index is not None else torch.cuda.current_device()
         device = torch.device("cuda", index)
@@ -123,7 +123,7 @@ class OneShotAllReduce:
         verdicts = [None] * world
         dist.all_gather_object(verdicts, usable, group=group)
         if not all(verdicts):
-            logger.info("one-shot all-reduce off (TANDEM_ONE_SHOT_ALL_REDUCE=0, no peer "
+            logger.info("one-shot all-reduce off (one_shot_all_reduce off, no peer "
                         "access between the GPUs, or not CUDA); NCCL does every all-reduce")
             return None
         # Bytes: 2 parities x world slots of MAX_BYTES; viewed as the caller's dtype in-kernel.

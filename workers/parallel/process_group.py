@@ -51,11 +51,13 @@ def connect_follower_store(port: int, world_size: int) -> dist.TCPStore:
 
 
 def init_rank_group(store: dist.TCPStore, rank: int, world_size: int,
-                    device: torch.device) -> ProcessGroup | None:
+                    device: torch.device, one_shot_all_reduce: bool = True
+                    ) -> ProcessGroup | None:
     """Join the worker's process group; returns the control group (None: the default group).
 
-    Every rank must call this with the same world_size and device type. Raises RuntimeError
-    when this process already belongs to a process group (one TP engine per process).
+    Every rank must call this with the same world_size, device type and one_shot_all_reduce
+    (False: NCCL does every all-reduce). Raises RuntimeError when this process already
+    belongs to a process group (one TP engine per process).
     """
     if dist.is_initialized():
         raise RuntimeError("this process already runs a tensor-parallel engine (a "
@@ -71,7 +73,7 @@ def init_rank_group(store: dist.TCPStore, rank: int, world_size: int,
     control_group = dist.new_group(backend="gloo", timeout=CONTROL_GROUP_TIMEOUT)
     from tandem.workers.parallel.one_shot_all_reduce import OneShotAllReduce  # Triton: GPU only
 
-    use_one_shot(OneShotAllReduce.create(control_group, device))
+    use_one_shot(OneShotAllReduce.create(control_group, device, one_shot_all_reduce))
     return control_group
 
 

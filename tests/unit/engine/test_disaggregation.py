@@ -9,7 +9,7 @@ from tandem import LLM, SamplingParams
 from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.sequence import SequenceStatus
 from tandem.workers.kv.block_payload import PayloadWriter, iter_payload_chunks
-from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 

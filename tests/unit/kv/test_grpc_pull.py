@@ -14,8 +14,8 @@ from tandem.common.convert import layout_to_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.kv.block_access import DirectKVBlocks
 from tandem.workers.kv.block_payload import DEFAULT_CHUNK_BYTES, PayloadWriter
-from tandem.workers.kv.grpc_backend import KVTransferServicer, pull_kv
-from tandem.workers.kv.layout import KVLayout
+from tandem.workers.kv_transfer_service import KVTransferServicer, pull_kv
+from tandem.common.kv_layout import KVLayout
 
 LAYERS, BLOCKS, BLOCK_SHAPE = 6, 12, (16, 2, 64)  # 4 KiB blocks (bf16)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 
 
 def _mha(num_layers=2, heads=2, dim=16, dtype=torch.float32):

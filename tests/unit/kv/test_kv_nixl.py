@@ -14,15 +14,16 @@ import pytest
 import torch
 from helpers.kv_source import NUM_BLOCKS, KVSource, make_caches
 
-from tandem.common.convert import layout_to_proto
+from tandem.common.convert import kv_handle_from_proto, layout_to_proto, nixl_export_from_proto
 from tandem.v1 import worker_pb2
 from tandem.workers.kv import nixl_backend, transport
 from tandem.workers.kv.block_access import DirectKVBlocks
 from tandem.workers.kv.cuda_ipc import flat_caches
-from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
+from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.workers.kv.nixl_backend import (NixlKVAgent, TensorBlocks, block_runs,
                                             descriptor_rows, registration_regions)
 from tandem.workers.kv.receiver import KVReceiver
+from tandem.workers.kv_transfer_service import KVPeerClient
 
 if not nixl_backend.is_installed():
     pytest.skip("nixl is an optional extra (pip install 'tandem[nixl]')",
@@ -67,9 +68,10 @@ class Receiver:
 
     async def pull(self, source, kind, handle_id, dst_ids, start_block=0, timeout=20.0):
         async with grpc.aio.insecure_channel(source.address(kind)) as channel:
-            return await self.receiver.pull(channel, source.address(kind),
-                                            self.handle(source, kind, handle_id), dst_ids,
-                                            start_block, timeout)
+            return await self.receiver.pull(
+                KVPeerClient(channel, self.layout), source.address(kind),
+                kv_handle_from_proto(self.handle(source, kind, handle_id)), dst_ids,
+                start_block, timeout)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -139,10 +141,10 @@ def test_a_layout_mismatch_is_refused_before_any_read(source):
     response = asyncio.run(export("mha"))
     response.tensors[3].block_bytes += 2
     with pytest.raises(ValueError, match="cache tensor 3: the source's blocks are"):
-        rx.agent.add_peer(response)
+        rx.agent.add_peer(nixl_export_from_proto(response))
     mla = Receiver("mla")
     with pytest.raises(KVLayoutMismatch, match="'mha' KV cache and this worker a 'mla'"):
-        mla.agent.add_peer(asyncio.run(export("mha")))
+        mla.agent.add_peer(nixl_export_from_proto(asyncio.run(export("mha"))))
 
 
 def test_bad_block_ids_are_refused(source):

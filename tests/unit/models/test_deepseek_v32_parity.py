@@ -16,7 +16,7 @@ from helpers.mla_checkpoints import MLA_VARIANTS
 
 from tandem import LLM
 from tandem.workers.engine.model_runner import kv_cache_bytes_per_block, kv_cache_kind
-from tandem.workers.kv.layout import KVLayout
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.models.deepseek_v32 import DeepseekV32Attention
 from tandem.workers.models.glm4_moe import Glm4MoeSparseBlock
 from tandem.workers.models.llama import LlamaMLP

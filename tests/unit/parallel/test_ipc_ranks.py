@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from helpers.rank_processes import run_ranks
 
-from tandem.common.convert import layout_to_proto
+from tandem.common.convert import cuda_ipc_export_from_proto, layout_to_proto
+from tandem.common.kv_exports import to_bytes
+from tandem.common.kv_layout import KVLayout
 from tandem.v1 import worker_pb2
-from tandem.workers.kv.layout import KVLayout
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
 from tandem.workers.parallel.messages import Command, make_header, pack_bytes
@@ -42,8 +43,8 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
                    "empty": [b.hex() for b in all_gather_bytes(b"" if rank else b"ab", None)],
                    "failed": failed_ranks(rank == 0, None)}
         ipc = RankIpcPeers(caches, torch.device("cuda", 0), rank)
-        export = unmappable_export(caches)
-        data = export.SerializeToString()
+        export = cuda_ipc_export_from_proto(unmappable_export(caches))
+        data = to_bytes(export)
         ids = torch.tensor([0, 1, 1, 0], dtype=torch.int64)
         if rank == 0:  # the leader's side, as LeaderRunner.map_kv_peer / post_kv_copy / ...
             results["map"] = failed_ranks(ipc.map(3, export), None)

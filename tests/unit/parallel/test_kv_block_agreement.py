@@ -12,7 +12,7 @@ from helpers.rank_processes import run_ranks
 
 from tandem.workers.parallel.control_gathers import failed_ranks
 from tandem.workers.parallel.messages import Command, make_header
-from tandem.workers.parallel.rank_runner import RankGroup, num_kv_blocks_from_leader
+from tandem.workers.executor.rank_runner import RankGroup, num_kv_blocks_from_leader
 
 WORLD = 2
 

@@ -10,6 +10,7 @@ Rank 0 calls RankNixl as LeaderRunner does, rank 1 replays the headers and paylo
 control channel carries (follow_nixl_command)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 from helpers.rank_processes import run_ranks
 
-from tandem.v1 import worker_pb2
-from tandem.workers.kv.layout import KVLayout
+from tandem.common.kv_exports import NixlAgentExport, to_bytes
+from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.nixl_agent import is_installed
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
 from tandem.workers.parallel.messages import Command, make_header, pack_bytes
@@ -63,14 +64,12 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
             results["merge_missing"] = "no error"
         except NixlUnavailable as exc:
             results["merge_missing"] = str(exc)
-        short = worker_pb2.ExportNixlAgentResponse()
-        short.CopyFrom(merged)
-        del short.ranks[1:]
+        short = dataclasses.replace(merged, ranks=merged.ranks[:1])
 
-        def load(slot: int, response: worker_pb2.ExportNixlAgentResponse):
+        def load(slot: int, export: NixlAgentExport):
             if rank == 0:  # as LeaderRunner.load_kv_nixl_peer
-                return failed_ranks(receiver.load(slot, response), None)
-            data = response.SerializeToString()
+                return failed_ranks(receiver.load(slot, export), None)
+            data = to_bytes(export)
             follow_nixl_command(receiver, Command.NIXL_LOAD,
                                 make_header(Command.NIXL_LOAD, slot, len(data)),
                                 pack_bytes(data), None)

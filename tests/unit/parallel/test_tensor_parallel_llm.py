@@ -38,7 +38,7 @@ def test_tp2_greedy_tokens_equal_tp1_and_transformers(checkpoint, variant):
     expected = [out.token_ids for out in single.generate(prompts, GREEDY)]
     with LLM(ckpt.path, dtype="float32", max_num_batched_tokens=64,
              tensor_parallel_size=2) as llm:
-        [follower_pid] = llm.engine.rank_group.followers.pids
+        [follower_pid] = llm.engine.executor.rank_group.followers.pids
         num_kv_heads = single.engine.runner.kv_caches[0][0].shape[2]
         assert llm.engine.runner.kv_caches[0][0].shape[2] == max(1, num_kv_heads // 2)
         actual = [out.token_ids for out in llm.generate(prompts, GREEDY)]

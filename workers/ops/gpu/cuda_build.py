@@ -1,8 +1,9 @@
 """Build a CUDA C++ kernel file of ours (workers/ops/gpu/cuda/) into a shared library, once.
 
-The library lands in $TANDEM_KERNEL_CACHE (default ~/.cache/tandem/kernels) under a name that
-hashes the source, every header beside it and the nvcc version, so an edit or a new toolkit
-rebuilds and concurrent workers never load a half-written file (atomic rename). Kernels are
+The library lands in KernelOptions.kernel_cache_dir ($TANDEM_KERNEL_CACHE, default
+~/.cache/tandem/kernels; ops/kernel_options.py) under a name that hashes the source, every
+header beside it and the nvcc version, so an edit or a new toolkit rebuilds and concurrent
+workers never load a half-written file (atomic rename). Kernels are
 called through ctypes on torch's current stream, so CUDA graphs capture them like any launch.
 Nothing here is required to serve: without nvcc the callers keep the Triton kernels.
 """
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from tandem.common.logging import get_logger
+from tandem.workers.ops import kernel_options
 
 logger = get_logger(__name__)
 
@@ -24,8 +26,7 @@ CUDA_DIR = Path(__file__).parent / "cuda"
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TANDEM_KERNEL_CACHE") or Path.home() / ".cache" / "tandem" / "kernels"
-    return Path(root)
+    return kernel_options.current().kernel_cache_dir
 
 
 def _nvcc() -> str | None:

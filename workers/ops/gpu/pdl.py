@@ -10,7 +10,8 @@ on neither (loading weights, which no kernel writes) may come before the wait.
 
 Invariant kept by every kernel taking USE_PDL: no global store and no load of activations,
 KV cache or partial results happens before `wait_for_previous_kernel(USE_PDL)`.
-Disabled on ROCm, before sm90, under TRITON_INTERPRET, and with TANDEM_PDL=0.
+Disabled on ROCm, before sm90, under TRITON_INTERPRET, and with KernelOptions.pdl off
+(TANDEM_PDL=0; ops/kernel_options.py).
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tandem.workers.ops import kernel_options
+
 
 @functools.cache
 def _pdl_on(device_index: int) -> bool:
-    if os.environ.get("TANDEM_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not kernel_options.current().pdl or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.version.cuda is None or not torch.cuda.is_available():
         return False

@@ -1,6 +1,6 @@
 """Rank 0's follower processes: start them, wait until they reach the rendezvous, stop them.
 
-Each follower is `python -m tandem.workers.parallel.follower` with the engine's config as
+Each follower is `python -m tandem.workers.executor.follower` with the engine's config as
 JSON; it writes to rank 0's stdout/stderr. No follower outlives rank 0:
   * a clean stop sends STOP (see rank_runner.py), then `stop()` waits and kills stragglers;
   * rank 0 exiting without a clean stop kills them from an atexit hook;
@@ -38,7 +38,7 @@ class FollowerProcesses:
         config_json = json.dumps(dataclasses.asdict(config))
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, world_size):
-            argv = [sys.executable, "-m", "tandem.workers.parallel.follower",
+            argv = [sys.executable, "-m", "tandem.workers.executor.follower",
                     "--rank", str(rank), "--world-size", str(world_size),
                     "--store-port", str(store_port), "--parent-pid", str(os.getpid()),
                     "--num-threads", str(torch.get_num_threads()),

@@ -1,22 +1,32 @@
-"""The `grpc` KV transfer backend: the prefill worker serves its pinned blocks over a gRPC
-stream (KVTransfer service); the decode worker pulls them into blocks it reserved.
+"""The KVTransfer gRPC service, both ends, and the `grpc` KV transfer backend's data path.
 
-The same service carries the control calls of the cuda-ipc backend (ExportKVCache, LeaseKV;
-see cuda_ipc.py) and of the nixl backend (ExportNixlAgent, LeaseKV; see nixl_backend.py): the
-data then moves GPU to GPU or by NIXL READs, the lease and release rules stay these."""
+Prefill side, `KVTransferServicer`: serves its pinned blocks over a gRPC stream (PullKV), the
+control calls of the cuda-ipc backend (ExportKVCache, LeaseKV; see kv/cuda_ipc.py) and of the
+nixl backend (ExportNixlAgent, LeaseKV; see kv/nixl_backend.py), and ReleaseKV. Decode side,
+`KVPeerClient`: the same calls on a source worker, answered in Tandem's own types
+(common/kv_exports.py), which is what the KV receiver (kv/receiver.py) talks to; `pull_kv`
+pulls blocks over the stream into blocks the decode worker reserved.
+
+Lease and release rules, whichever backend moves the bytes: a handle's blocks stay pinned on
+the source until ReleaseKV or its lease ends; PullKV and LeaseKV renew the lease; a receiver
+reads only while the lease lasts and releases after its blocks were written. This module and
+the servicers are the only places KV transfer meets protobuf."""
 from __future__ import annotations
 
 import time
 
 import grpc
 
-from tandem.common.convert import layout_from_proto, layout_to_proto
+from tandem.common.convert import (cuda_ipc_export_from_proto, cuda_ipc_export_to_proto,
+                                   kv_lease_from_proto, layout_from_proto, layout_to_proto,
+                                   nixl_export_from_proto, nixl_export_to_proto)
+from tandem.common.kv_exports import CudaIpcExport, KVLease, NixlAgentExport
+from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.block_payload import DEFAULT_CHUNK_BYTES, iter_payload_chunks
-from tandem.workers.kv.layout import KVLayout, KVLayoutMismatch
 
 logger = get_logger(__name__)
 
@@ -71,7 +81,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker does not offer cuda-ipc (--kv-transfer grpc or "
                                 "nixl, or no CUDA device)")
-        return self.exporter.export()
+        return cuda_ipc_export_to_proto(self.exporter.export())
 
     async def ExportNixlAgent(self, request, context):
         await self._check_layout(request, context)
@@ -79,7 +89,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker does not offer nixl (--kv-transfer grpc or "
                                 "cuda-ipc, nixl not installed, or a CPU cache under auto)")
-        return self.nixl_agent.export()
+        return nixl_export_to_proto(self.nixl_agent.export())
 
     async def LeaseKV(self, request, context):
         block_ids, lease_seconds = await self.engine.call(
@@ -111,12 +121,12 @@ def _renew_and_get_blocks(engine, handle_id: str) -> list[int] | None:
     return list(seq.block_table[:num_prompt_blocks])
 
 
-async def pull_kv(channel: grpc.aio.Channel, handle: worker_pb2.KVHandle, local: KVLayout,
-                  blocks: KVBlockAccess, block_ids: list[int], start_block: int,
-                  timeout: float | None) -> int:
-    """Pull blocks [start_block, handle.num_blocks) of a handle into block_ids (the receiver's
-    blocks for those positions). Returns the bytes received. Raises grpc.aio.AioRpcError or
-    ValueError (incomplete transfer)."""
+async def pull_kv(channel: grpc.aio.Channel, handle, local: KVLayout, blocks: KVBlockAccess,
+                  block_ids: list[int], start_block: int, timeout: float | None) -> int:
+    """Pull blocks [start_block, handle.num_blocks) of a handle (anything with a handle_id:
+    the protobuf KVHandle or kv_exports.KVHandle) into block_ids (the receiver's blocks for
+    those positions). Returns the bytes received. Raises grpc.aio.AioRpcError or ValueError
+    (incomplete transfer)."""
     stub = worker_pb2_grpc.KVTransferStub(channel)
     writer = blocks.writer(block_ids)
     request = worker_pb2.PullKVRequest(handle_id=handle.handle_id, start_block=start_block,
@@ -138,3 +148,38 @@ async def release_kv(channel: grpc.aio.Channel, handle_id: str, timeout: float =
     except grpc.aio.AioRpcError as exc:
         logger.warning("ReleaseKV %s failed: %s", handle_id, exc.code().name)
         return False
+
+
+class KVPeerClient:
+    """A source worker's KVTransfer service as the decode side's KV receiver calls it: the
+    answers come back as Tandem's own types. `layout` is the receiver's, sent as the layout it
+    expects (the source refuses FAILED_PRECONDITION when it cannot fill it)."""
+
+    def __init__(self, channel: grpc.aio.Channel, layout: KVLayout) -> None:
+        self.channel = channel
+        self.layout = layout
+        self._stub = worker_pb2_grpc.KVTransferStub(channel)
+
+    async def export_cuda_ipc(self, timeout: float | None) -> CudaIpcExport:
+        response = await self._stub.ExportKVCache(
+            worker_pb2.ExportKVCacheRequest(expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        return cuda_ipc_export_from_proto(response)
+
+    async def export_nixl(self, timeout: float | None) -> NixlAgentExport:
+        response = await self._stub.ExportNixlAgent(
+            worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        return nixl_export_from_proto(response)
+
+    async def lease(self, handle_id: str, start_block: int, timeout: float | None) -> KVLease:
+        response = await self._stub.LeaseKV(
+            worker_pb2.LeaseKVRequest(handle_id=handle_id, start_block=start_block),
+            timeout=timeout)
+        return kv_lease_from_proto(response)
+
+    async def pull_blocks(self, handle, blocks: KVBlockAccess, block_ids: list[int],
+                          start_block: int, timeout: float | None) -> int:
+        """The grpc backend: pull_kv on this channel."""
+        return await pull_kv(self.channel, handle, self.layout, blocks, block_ids,
+                             start_block, timeout)

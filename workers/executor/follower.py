@@ -1,6 +1,6 @@
 """A follower rank of a tensor-parallel worker (started by rank 0, never by hand):
 
-    python -m tandem.workers.parallel.follower --rank R --world-size N --store-port P
+    python -m tandem.workers.executor.follower --rank R --world-size N --store-port P
         --parent-pid PID --num-threads T --engine-config JSON
 
 It joins rank 0's process group, loads its shards of the same model, on GPUs sizes its own KV
@@ -28,7 +28,7 @@ PARENT_POLL_SECONDS = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem.workers.parallel.follower")
+    p = argparse.ArgumentParser(prog="tandem.workers.executor.follower")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> None:
     from tandem.workers.parallel.process_group import (connect_follower_store,
                                                        destroy_rank_group, init_rank_group,
                                                        joined_key, rank_device)
-    from tandem.workers.parallel.rank_runner import follow_leader, num_kv_blocks_from_leader
+    from tandem.workers.executor.rank_runner import follow_leader, num_kv_blocks_from_leader
+    from tandem.workers.ops import kernel_options
 
     torch.set_num_threads(args.num_threads)
     config = EngineConfig(**json.loads(args.engine_config))
@@ -71,7 +72,9 @@ def run(args: argparse.Namespace) -> None:
     device = rank_device(config.torch_device(), args.rank)
     store = connect_follower_store(args.store_port, args.world_size)
     store.set(joined_key(args.rank), "1")
-    control_group = init_rank_group(store, args.rank, args.world_size, device)
+    kernel_options.install(config.kernel_options)
+    control_group = init_rank_group(store, args.rank, args.world_size, device,
+                                    config.kernel_options.one_shot_all_reduce)
     try:
         start = memory_at_start(device)
         loaded = load_model(config, parallel)

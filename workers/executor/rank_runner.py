@@ -21,22 +21,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from tandem.common.convert import layout_from_proto
+from tandem.common.kv_exports import (CudaIpcCache, CudaIpcExport, NixlAgentExport,
+                                      cuda_ipc_cache_from_bytes, to_bytes)
+from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.scheduler import SchedulerOutput
-from tandem.v1 import worker_pb2
-from tandem.workers.parallel.followers import FollowerProcesses
+from tandem.workers.executor.followers import FollowerProcesses
 from tandem.workers.parallel.control_gathers import (all_gather_bytes, all_gather_ints,
                                                      failed_ranks)
 from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
 from tandem.workers.parallel.kv_shards import (KVCaches, join_shares, layer_widths,
                                                local_share, share_shape, split_joined,
                                                write_local_share)
+from tandem.workers.executor.step_inputs import pack_inputs, unpack_inputs
 from tandem.workers.parallel.messages import (MESSAGE_LEN, Command, frame_command,
-                                              make_header, pack_bytes, pack_inputs,
-                                              split_message, unpack_inputs)
+                                              make_header, pack_bytes, split_message)
 from tandem.workers.parallel.nixl_ranks import (RankNixl, follow_nixl_command,
                                                 merge_rank_exports)
 from tandem.workers.parallel.rank_transfers import TransferOutcome
@@ -59,7 +60,9 @@ class RankGroup:
         self.followers = FollowerProcesses(config, self._store.port)
         try:
             self.followers.wait_joined(self._store)
-            self.control_group = init_rank_group(self._store, 0, self.tp_size, device)
+            self.control_group = init_rank_group(
+                self._store, 0, self.tp_size, device,
+                config.kernel_options.one_shot_all_reduce)
         except BaseException:
             self.followers.kill()
             raise
@@ -168,21 +171,21 @@ class LeaderRunner:
             dist.scatter(mine, shares, src=0)
         write_local_share(self.kv_caches, block_ids, mine)
 
-    def setup_kv_ipc(self) -> list[worker_pb2.CudaIpcCache]:
+    def setup_kv_ipc(self) -> list[CudaIpcCache]:
         """Readies cuda-ipc on every rank (ipc_ranks.py); returns every rank's cache export in
         rank order (CudaIpcExporter's rank_caches). Engine thread only."""
         with self.group.fatal_on_error("cuda-ipc setup"):
             self.group.send(make_header(Command.IPC_SETUP))
             exports = all_gather_bytes(self._ipc_peers().setup(), self.group.control_group)
-        return [worker_pb2.CudaIpcCache.FromString(data) for data in exports]
+        return [cuda_ipc_cache_from_bytes(data) for data in exports]
 
-    def map_kv_peer(self, slot: int, response: worker_pb2.ExportKVCacheResponse) -> list[int]:
+    def map_kv_peer(self, slot: int, export: CudaIpcExport) -> list[int]:
         """Every rank r maps the source's rank r cache under `slot`; returns the ranks where
         CUDA refused (empty: mapped everywhere). Engine thread only."""
-        data = response.SerializeToString()
+        data = to_bytes(export)
         with self.group.fatal_on_error("cuda-ipc map"):
             self.group.send(make_header(Command.IPC_MAP, slot, len(data)), pack_bytes(data))
-            return failed_ranks(self._ipc_peers().map(slot, response),
+            return failed_ranks(self._ipc_peers().map(slot, export),
                                 self.group.control_group)
 
     def post_kv_copy(self, transfer: int, slot: int, src_ids: list[int],
@@ -208,24 +211,22 @@ class LeaderRunner:
             self._ipc = RankIpcPeers(self.kv_caches, self.kv_caches[0][0].device, 0)
         return self._ipc
 
-    def setup_kv_nixl(self, layout: worker_pb2.KVLayout) -> worker_pb2.ExportNixlAgentResponse:
+    def setup_kv_nixl(self, layout: KVLayout) -> NixlAgentExport:
         """Every rank creates its NIXL agent (nixl_ranks.py); returns the worker's export
         (rank 0's, with every rank's in `ranks`). Engine thread only."""
-        data = layout.SerializeToString()
+        data = to_bytes(layout)
         with self.group.fatal_on_error("NIXL setup"):
             self.group.send(make_header(Command.NIXL_SETUP, len(data)), pack_bytes(data))
-            exports = all_gather_bytes(self._nixl.setup(layout_from_proto(layout)),
-                                       self.group.control_group)
+            exports = all_gather_bytes(self._nixl.setup(layout), self.group.control_group)
         return merge_rank_exports(exports)
 
-    def load_kv_nixl_peer(self, slot: int,
-                          response: worker_pb2.ExportNixlAgentResponse) -> list[int]:
+    def load_kv_nixl_peer(self, slot: int, export: NixlAgentExport) -> list[int]:
         """Every rank r loads the source's rank r agent under `slot`; returns the ranks that
         could not. Engine thread only."""
-        data = response.SerializeToString()
+        data = to_bytes(export)
         with self.group.fatal_on_error("NIXL load"):
             self.group.send(make_header(Command.NIXL_LOAD, slot, len(data)), pack_bytes(data))
-            return failed_ranks(self._nixl.load(slot, response), self.group.control_group)
+            return failed_ranks(self._nixl.load(slot, export), self.group.control_group)
 
     def unload_kv_nixl_peer(self, slot: int) -> None:
         with self.group.fatal_on_error("NIXL unload"):

@@ -1,0 +1,71 @@
+"""Imports run downward only (DESIGN.md, KV transfer): the KV transfer code (workers/kv/) and the
+rank-group code (workers/parallel/) import neither the engine, the async engine, the servicers
+nor the protobuf stubs (protobuf is converted at the edge, common/convert.py); common/ imports
+nothing from workers/. The engine steps an executor built before it (workers/executor/) and
+imports nothing that starts or drives other ranks. Every import statement counts, those inside
+functions too."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# package folder -> the modules (and their submodules) it must not import
+FORBIDDEN = {
+    "workers/kv": ("tandem.workers.engine", "tandem.workers.async_engine",
+                   "tandem.workers.servicer", "tandem.v1", "tandem.common.convert"),
+    "workers/parallel": ("tandem.workers.engine", "tandem.workers.async_engine",
+                         "tandem.workers.servicer", "tandem.v1", "tandem.common.convert"),
+    "common": ("tandem.workers",),
+    "workers/engine/engine.py": ("tandem.workers.parallel", "tandem.workers.executor.rank_runner",
+                                 "tandem.workers.executor.followers"),
+}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in a source file; `from a import b` gives a.b too, so a
+    module imported by name from its package is seen."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def is_under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def upward_imports(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    root = REPO_ROOT / folder
+    paths = root.rglob("*.py") if root.is_dir() else [root]
+    return sorted({f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
+                   for path in paths
+                   for line, module in imported_modules(path)
+                   if any(is_under(module, package) for package in forbidden)})
+
+
+def test_kv_imports_nothing_above_it():
+    assert upward_imports("workers/kv", FORBIDDEN["workers/kv"]) == []
+
+
+def test_parallel_imports_nothing_above_it():
+    assert upward_imports("workers/parallel", FORBIDDEN["workers/parallel"]) == []
+
+
+def test_common_imports_nothing_from_workers():
+    assert upward_imports("common", FORBIDDEN["common"]) == []
+
+
+def test_the_engine_neither_starts_nor_drives_other_ranks():
+    engine = "workers/engine/engine.py"
+    assert upward_imports(engine, FORBIDDEN[engine]) == []
+
+
+def test_the_walk_sees_imports_inside_functions(tmp_path):
+    source = tmp_path / "lazy.py"
+    source.write_text("def f():\n    from tandem.v1 import worker_pb2\n")
+    assert (2, "tandem.v1.worker_pb2") in imported_modules(source)
