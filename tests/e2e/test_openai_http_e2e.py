@@ -414,7 +414,9 @@ def test_http_vs_grpc_prints_both_rows_and_their_ratios(http_stack):
     rows = {name: summarize_runs(runs[name]) for name in ("grpc", "http")}
     assert [len(runs[name]) for name in ("grpc", "http")] == [2, 2]
     assert rows["grpc"]["num_ok"] == rows["http"]["num_ok"] == 4
-    table = format_table({2: {**rows, "ratios": ratios(rows)}})
+    verdicts = ratios(rows, runs)
+    assert len(verdicts["tpot_s"]["round_ratios"]) == 2 and verdicts["router_cpu"] is None
+    table = format_table({2: {**rows, "ratios": verdicts}})
     assert "   2 grpc" in table and "   2 http" in table and "   2 HTTP/gRPC TTFT" in table
 
 
