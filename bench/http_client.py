@@ -91,7 +91,10 @@ class HTTPStream:
             raise HTTPCallError(grpc.StatusCode.UNAVAILABLE, str(exc) or type(exc).__name__
                                 ) from None
         if response.status_code != 200:
-            raise HTTPCallError.from_body(response.status_code, await response.aread())
+            error = HTTPCallError.from_body(response.status_code, await response.aread())
+            await self._context.__aexit__(None, None, None)  # no __aexit__ follows a raise here
+            self._context = None
+            raise error
         self._lines = response.aiter_lines()
         return self
 
@@ -200,9 +203,7 @@ class HTTPBenchClient:
                             ("temperature", temperature), ("seed", seed)):
             if value is not None:
                 body[name] = value
-        headers = dict(self._headers)
-        if request_id:
-            headers["X-Request-Id"] = request_id
+        headers = dict(self._headers)  # request_id: the HTTP API assigns its own ids
         if timeout is not None:
             headers["X-Request-Timeout"] = f"{timeout:g}"
         return HTTPStream(self._client, path, body, headers, timeout, self._extensions)
