@@ -20,8 +20,11 @@ class BenchmarkConfig:
     DEFAULT_NUM_REQUESTS. The first `warmup` requests are sent before those and not counted.
     Prompts are synthetic token ids (`input_len`) unless `prompts_file` (JSONL) is given.
     Lengths are LengthDist strings ("32", "uniform:16:64", "normal:128:32").
+    With `http` (the router's HTTP API, http(s)://host:port) the load goes there, as streamed
+    OpenAI completions, instead of to `router` over gRPC.
     """
     router: str = "127.0.0.1:50051"
+    http: str | None = None
     concurrency: int | None = None
     rate: float | None = None
     num_requests: int | None = None
@@ -74,6 +77,11 @@ class BenchmarkConfig:
         if self.num_requests is None and self.duration_s is None:
             return DEFAULT_NUM_REQUESTS
         return self.num_requests
+
+    @property
+    def target(self) -> str:
+        """The address the load goes to."""
+        return self.http if self.http is not None else self.router
 
     def load_shape(self) -> str:
         """E.g. "concurrency 4" or "Poisson 2.5 req/s"."""

@@ -3,6 +3,7 @@
     tandem bench --router 127.0.0.1:50051 --concurrency 8 --num-requests 200 \\
         --input-len uniform:16:512 --output-len 128 --json bench.json --plot bench.png
     tandem bench --rates 1,2,4,8 --duration 60 --slo-ttft 0.5 --slo-tpot 0.05 --plot sweep.png
+    tandem bench --http http://127.0.0.1:8000 --concurrency 16   # the OpenAI HTTP API instead
 
 Progress goes to stderr; the summary table goes to stdout, last. The exit status is 1 when the
 benchmark could not run or a run had no successful request. Ctrl-C stops the run: the table and
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tandem bench", description="Load-test a Tandem router (tandem.v1.Generate).",
         epilog="Lengths: N, uniform:A:B (inclusive) or normal:MU:SIGMA (rounded, >= 1).")
     p.add_argument("--router", default="127.0.0.1:50051", metavar="HOST:PORT")
+    p.add_argument("--http", metavar="URL",
+                   help="drive the router's OpenAI-compatible HTTP API at URL "
+                        "(http(s)://host:port, from `tandem up --http-port`) instead of gRPC: "
+                        "streamed /v1/completions, same workloads and report")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--concurrency", type=int, metavar="N",
                        help="closed loop: N requests always in flight (default 1)")
@@ -65,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> BenchmarkConfig:
     return BenchmarkConfig(
-        router=args.router, concurrency=args.concurrency, rate=args.rate,
+        router=args.router, http=args.http, concurrency=args.concurrency, rate=args.rate,
         num_requests=args.num_requests, duration_s=args.duration, warmup=args.warmup,
         input_len=args.input_len, output_len=args.output_len, prompts_file=args.prompts_file,
         allow_early_stop=args.allow_early_stop, temperature=args.temperature, seed=args.seed,

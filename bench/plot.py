@@ -36,7 +36,7 @@ def plot_results(results: Sequence[BenchmarkResult], path: str | Path) -> None:
         _plot_curve(axes[2][0], "ttft_s", "TTFT", results)
         _plot_curve(axes[2][1], "tpot_s", "TPOT", results)
     model = results[0].model_info.get("model", "") if results else ""
-    figure.suptitle(f"Tandem benchmark: {results[0].config.router}" + (f" ({model})" if model
+    figure.suptitle(f"Tandem benchmark: {results[0].config.target}" + (f" ({model})" if model
                                                                          else ""))
     figure.savefig(path, format="png", dpi=100)
 

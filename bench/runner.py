@@ -68,7 +68,7 @@ class BenchmarkResult:
         return json.dumps(self.to_dict(), indent=indent)
 
     def table(self) -> str:
-        return format_table(self.stats, router=self.config.router,
+        return format_table(self.stats, router=self.config.target,
                             load=self.config.load_shape(), model=self.model_info.get("model", ""))
 
 
@@ -77,8 +77,8 @@ async def async_run_benchmark(config: BenchmarkConfig,
     """run_benchmark inside a running event loop. Cancelled, it raises BenchmarkInterrupted
     with the requests that had finished."""
     prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
-    async with AsyncTandemClient(config.router, **(client_options or {})) as client:
-        model_info = await _model_info(client, config.router)
+    async with _client(config, client_options or {}) as client:
+        model_info = await _model_info(client, config.target)
         specs = _workload(config, model_info, prompts)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         origin_s = time.perf_counter()
@@ -130,10 +130,19 @@ def sweep_to_json(rates: Sequence[float], results: Sequence[BenchmarkResult]) ->
                       indent=2)
 
 
-async def _model_info(client: AsyncTandemClient, router: str) -> dict:
+def _client(config: BenchmarkConfig, client_options: dict):
+    """The gRPC client, or the HTTP one when `config.http` is set (same interface)."""
+    if config.http is not None:
+        from tandem.bench.http_client import HTTPBenchClient
+
+        return HTTPBenchClient(config.http, **client_options)
+    return AsyncTandemClient(config.router, **client_options)
+
+
+async def _model_info(client, router: str) -> dict:
     try:
         return await client.model_info(timeout=MODEL_INFO_TIMEOUT_S)
-    except grpc.RpcError as exc:
+    except grpc.RpcError as exc:  # HTTPCallError is one too
         raise BenchmarkError(f"router {router} did not answer GetModelInfo: "
                              f"{exc.code().name}: {exc.details()}") from None
 

@@ -7,8 +7,13 @@ the response streams or not.
 
     POST /v1/chat/completions, POST /v1/completions   bearer token when configured
     GET  /v1/models                                    bearer token when configured
+    POST /v1/tokenize, POST /v1/detokenize             bearer token when configured
     GET  /health                                       200 while workers can serve, else 503
     GET  /version
+
+Every completion has a deadline, as a gRPC call has: the `X-Request-Timeout` header's seconds,
+else the router's default (--http-request-timeout-seconds). Past it the request is aborted on
+every worker and answered 504 (or, once a stream has started, ended with an error event).
 
 Errors are `{"error": {"message", "type", "param", "code"}}`; the HTTP status follows the
 gRPC code the servicer gives (HTTP_STATUS), and `code` is that gRPC code's name. Responses are
@@ -34,9 +39,9 @@ from tandem import __version__
 from tandem.common.convert import finish_reason_from_proto
 from tandem.router.admission import RETRY_AFTER_KEY
 from tandem.router.openai_schema import (ChatCompletionRequest, CompletionRequest,
-                                         OpenAIError)
+                                         DetokenizeRequest, OpenAIError, TokenizeRequest)
 from tandem.router.servicer import GenerateServicer
-from tandem.router.validation import RequestError
+from tandem.router.validation import RequestError, check_request
 from tandem.v1 import generate_pb2
 
 HTTP_STATUS = {
@@ -51,6 +56,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 _PARAM_NAMES = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt",
                 "chat": "messages", "stop.stop": "stop", "model": "model", "logprobs": "logprobs"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TIMEOUT_HEADER = "x-request-timeout"  # seconds; this completion's deadline
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
 
 
 class HTTPError(Exception):
@@ -92,22 +99,46 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-class _NoDeadline:
-    """HTTP calls carry no deadline; the client ends a call by closing its connection."""
+class HTTPDeadline:
+    """An HTTP request's deadline, in the shape the servicer reads a gRPC context's:
+    time_remaining() gives the seconds left (None: no deadline)."""
 
-    @staticmethod
-    def time_remaining() -> None:
-        return None
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self._expires_at = None if seconds is None else time.monotonic() + seconds
+
+    @classmethod
+    def of(cls, http_request: Request, default_seconds: float | None) -> HTTPDeadline:
+        """The X-Request-Timeout header's deadline, else `default_seconds`."""
+        text = http_request.headers.get(TIMEOUT_HEADER)
+        if text is None:
+            return cls(default_seconds)
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise HTTPError(400, f"X-Request-Timeout={text!r} must be a number of seconds > 0",
+                            "X-Request-Timeout", "INVALID_ARGUMENT")
+        return cls(seconds)
+
+    def time_remaining(self) -> float | None:
+        return None if self._expires_at is None else self._expires_at - time.monotonic()
+
+    def expired(self) -> HTTPError:
+        return HTTPError(504, f"the request's deadline ({self.seconds:g} s) passed",
+                         code="DEADLINE_EXCEEDED")
 
 
-NO_DEADLINE = _NoDeadline()
-
-
-def create_app(servicer: GenerateServicer, token: str | None = None) -> FastAPI:
-    """The HTTP API over `servicer`; with `token`, /v1 requires 'Authorization: Bearer token'."""
+def create_app(servicer: GenerateServicer, token: str | None = None,
+               request_timeout_seconds: float | None = DEFAULT_REQUEST_TIMEOUT_SECONDS
+               ) -> FastAPI:
+    """The HTTP API over `servicer`; with `token`, /v1 requires 'Authorization: Bearer token'.
+    A completion without an X-Request-Timeout header gets `request_timeout_seconds` (None:
+    no deadline)."""
     app = FastAPI(title="Tandem", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    api = OpenAIService(servicer)
+    api = OpenAIService(servicer, request_timeout_seconds)
 
     async def require_token(request: Request) -> None:
         if token is None:
@@ -122,6 +153,8 @@ def create_app(servicer: GenerateServicer, token: str | None = None) -> FastAPI:
     v1.add_api_route("/chat/completions", api.chat_completions, methods=["POST"])
     v1.add_api_route("/completions", api.completions, methods=["POST"])
     v1.add_api_route("/models", api.models, methods=["GET"])
+    v1.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    v1.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.include_router(v1)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
@@ -159,8 +192,11 @@ def _validation_error(exc: RequestValidationError) -> HTTPError:
 class OpenAIService:
     """The endpoints; each completion is one or more `servicer.stream` calls."""
 
-    def __init__(self, servicer: GenerateServicer) -> None:
+    def __init__(self, servicer: GenerateServicer,
+                 request_timeout_seconds: float | None = DEFAULT_REQUEST_TIMEOUT_SECONDS
+                 ) -> None:
         self.servicer = servicer
+        self.request_timeout_seconds = request_timeout_seconds
         self.model_name = servicer.frontend.limits.name
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(servicer.frontend.tokenizer)
@@ -174,10 +210,35 @@ class OpenAIService:
         return {"version": __version__}
 
     async def models(self) -> dict:
-        limits = self.servicer.frontend.limits
+        """OpenAI's model list, plus what a client needs to build token-id prompts."""
+        frontend = self.servicer.frontend
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "tandem", "max_model_len": limits.max_model_len}]}
+            "owned_by": "tandem", "max_model_len": frontend.limits.max_model_len,
+            "vocab_size": frontend.limits.vocab_size,
+            "eos_token_ids": list(frontend.eos_token_ids)}]}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """The prompt's token ids, exactly as a completion with it would count them."""
+        request = body.to_generate_request()
+        limits = self.servicer.frontend.limits
+        try:
+            check_request(request, limits)
+        except RequestError as exc:
+            raise HTTPError.from_request_error(exc) from exc
+        ids = await self.servicer.frontend.prompt_token_ids(request)
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        limits = self.servicer.frontend.limits
+        if body.model and body.model != limits.name:
+            raise HTTPError(404, f"model={body.model!r} is not served here (serving "
+                                 f"{limits.name!r})", "model", "NOT_FOUND")
+        bad = next((t for t in body.tokens if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise HTTPError(400, f"tokens: {bad} is not in [0, vocab_size="
+                                 f"{limits.vocab_size})", "tokens", "INVALID_ARGUMENT")
+        return {"prompt": await self.servicer.frontend.text(body.tokens)}
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         body.check()
@@ -188,19 +249,21 @@ class OpenAIService:
         return await self._complete(body, "text", request)
 
     async def _complete(self, body, kind: str, http_request: Request):
+        deadline = HTTPDeadline.of(http_request, self.request_timeout_seconds)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         requests = body.to_generate_requests(request_id)
         output = CompletionOutput(kind, request_id, self.model_name, body.n, self.logprobs,
-                                  len(requests))
+                                  len(requests), body.return_token_ids)
+        streams = [self.servicer.stream(r, deadline) for r in requests]
         if body.stream:
-            streams = [self.servicer.stream(r, NO_DEADLINE) for r in requests]
-            firsts = await _until_disconnect(http_request, _first_responses(streams))
+            firsts = await _until_disconnect(http_request, _first_responses(streams), deadline)
+            # From here the workers' calls carry the deadline: past it they end with
+            # DEADLINE_EXCEEDED, which the stream sends as its error event.
             return StreamingResponse(
                 _sse(output, streams, firsts, body.include_usage),
                 media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            results = await _until_disconnect(
-                http_request, _run_all([self.servicer.stream(r, NO_DEADLINE) for r in requests]))
+            results = await _until_disconnect(http_request, _run_all(streams), deadline)
         except RequestError as exc:
             raise HTTPError.from_request_error(exc) from exc
         for index, responses in enumerate(results):
@@ -225,20 +288,25 @@ async def _run_all(streams) -> list[list[generate_pb2.GenerateResponse]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _until_disconnect(http_request: Request, work):
+async def _until_disconnect(http_request: Request, work, deadline: HTTPDeadline):
     """`await work`, cancelled (the requests aborted on every worker) if the client
-    disconnects first. The body is already read, so the next ASGI message is the disconnect."""
+    disconnects or the deadline passes first (a 504). The body is already read, so the next
+    ASGI message is the disconnect."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(http_request))
+    remaining = deadline.time_remaining()
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((task, watcher), timeout=None if remaining is None
+                           else max(0.0, remaining), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        raise HTTPError(499, "the client closed the connection", code="CANCELLED")
+        if watcher.done() and not watcher.cancelled():
+            raise HTTPError(499, "the client closed the connection", code="CANCELLED")
+        raise deadline.expired()
     return task.result()
 
 
@@ -367,6 +435,7 @@ class LogprobFormatter:
 class _Choice:
     def __init__(self) -> None:
         self.texts: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list = []
         self.text_offset = 0
         self.complete: generate_pb2.Complete | None = None
@@ -376,8 +445,10 @@ class CompletionOutput:
     """Builds one completion's OpenAI objects, whole or as chunks, from GenerateResponses."""
 
     def __init__(self, kind: str, request_id: str, model: str, n: int,
-                 logprobs: LogprobFormatter, num_choices: int) -> None:
+                 logprobs: LogprobFormatter, num_choices: int,
+                 return_token_ids: bool = False) -> None:
         self.kind = kind  # "chat" or "text"
+        self.return_token_ids = return_token_ids
         self.request_id = request_id
         self.model = model
         self.n = n
@@ -409,6 +480,7 @@ class CompletionOutput:
             return self._chunk(index, "", None, finish)
         chunk = response.chunk
         choice.texts.append(chunk.text)
+        choice.token_ids.extend(chunk.token_ids)
         choice.logprobs.extend(chunk.logprobs)
         logprobs = None
         if chunk.logprobs:
@@ -417,17 +489,21 @@ class CompletionOutput:
             else:
                 logprobs = self.formatter.completion(chunk.logprobs, choice.text_offset)
         choice.text_offset += len(chunk.text)
-        if not chunk.text and logprobs is None:
+        token_ids = list(chunk.token_ids) if self.return_token_ids else None
+        if not chunk.text and logprobs is None and not token_ids:
             return None
-        return self._chunk(index, chunk.text, logprobs, None)
+        return self._chunk(index, chunk.text, logprobs, None, token_ids)
 
-    def _chunk(self, index: int, text: str, logprobs, finish: str | None) -> dict:
+    def _chunk(self, index: int, text: str, logprobs, finish: str | None,
+               token_ids: list[int] | None = None) -> dict:
         if self.kind == "chat":
             choice = {"index": index, "delta": {"content": text} if text else {},
                       "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": finish}
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids or []
         return {**self._object(".chunk"), "choices": [choice]}
 
     def usage(self) -> dict:
@@ -461,4 +537,6 @@ class CompletionOutput:
                     if choice.logprobs else None
                 choices.append({"index": index, "text": text, "logprobs": logprobs,
                                 "finish_reason": finish})
+            if self.return_token_ids:
+                choices[-1]["token_ids"] = choice.token_ids
         return {**self._object(), "choices": choices, "usage": self.usage()}

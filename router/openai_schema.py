@@ -76,6 +76,10 @@ class _CommonRequest(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Each choice (and each streamed chunk) also carries the ids of the tokens it adds, as
+    # vLLM's extra of this name does: clients that count tokens per chunk (tandem bench) need
+    # them, and a chunk whose text is held back still reports its tokens.
+    return_token_ids: bool = False
 
     def check(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -176,3 +180,27 @@ class CompletionRequest(_CommonRequest):
                     message.logprobs = self.logprobs
                 requests.append(message)
         return requests
+
+
+class TokenizeRequest(_Strict):
+    """/v1/tokenize: a text prompt or chat messages, tokenized as a completion would be."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def to_generate_request(self) -> generate_pb2.GenerateRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("prompt", "give one of prompt or messages")
+        message = generate_pb2.GenerateRequest(model=self.model or "")
+        if self.prompt is not None:
+            message.text = self.prompt
+        else:
+            message.chat.messages.extend(generate_pb2.ChatMessage(role=m.role, content=m.text)
+                                         for m in self.messages)
+        return message
+
+
+class DetokenizeRequest(_Strict):
+    """/v1/detokenize: token ids back to text."""
+    model: str | None = None
+    tokens: list[int]

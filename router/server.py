@@ -23,7 +23,7 @@ from tandem.common.security import BearerTokenInterceptor, TLSFiles, add_port, r
 from tandem.router.admission import Admission
 from tandem.router.ejection import HealthPolicy
 from tandem.router.http_server import HTTPServer, TLSPaths
-from tandem.router.openai_api import create_app
+from tandem.router.openai_api import DEFAULT_REQUEST_TIMEOUT_SECONDS, create_app
 from tandem.router.request_flow import StallLimits
 from tandem.router.servicer import GenerateServicer, add_generate_service
 from tandem.router.tokenization import ModelFrontend
@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "gRPC (off when not given); --auth-token-file guards it too")
     p.add_argument("--http-host",
                    help="address for the HTTP API (default: the same as --host)")
+    p.add_argument("--http-request-timeout-seconds", type=float,
+                   default=DEFAULT_REQUEST_TIMEOUT_SECONDS,
+                   help="deadline of an HTTP completion that sends no X-Request-Timeout "
+                        "header (as a gRPC call's deadline: past it the request is aborted "
+                        "on every worker and answered 504); 0 means none "
+                        f"(default {DEFAULT_REQUEST_TIMEOUT_SECONDS:g})")
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
@@ -111,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> None:
     tls = TLSFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca,
                               args.tls_server_name)
+    if args.http_request_timeout_seconds < 0:
+        raise ValueError("--http-request-timeout-seconds must be >= 0 (0: no deadline)")
     token = read_token(args.auth_token_file)
     internal_token = read_token(args.internal_token_file, "--internal-token-file")
     if token and tls is None and internal_token is None:
@@ -177,8 +185,8 @@ async def start_http(servicer: GenerateServicer, token: str | None,
                      args: argparse.Namespace) -> HTTPServer:
     host = args.http_host or args.host
     tls = TLSPaths(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
-    http_server = HTTPServer(create_app(servicer, token), host, args.http_port,
-                             args.shutdown_grace_seconds, tls)
+    app = create_app(servicer, token, args.http_request_timeout_seconds or None)
+    http_server = HTTPServer(app, host, args.http_port, args.shutdown_grace_seconds, tls)
     await http_server.start()
     logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http",
                 host, args.http_port)

@@ -47,6 +47,11 @@ class ModelFrontend:
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return await loop.run_in_executor(self._executor, self._apply_chat_template, messages)
 
+    async def text(self, token_ids: list[int]) -> str:
+        """The text of `token_ids` (ids checked against the vocabulary by the caller)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.tokenizer.decode, token_ids)
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

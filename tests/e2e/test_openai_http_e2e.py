@@ -2,6 +2,7 @@
 real router + prefill + decode stack on the tiny Llama (its tokenizer has a chat template)."""
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -14,6 +15,9 @@ import pytest
 from helpers.client import generate, request, worker_load
 from helpers.processes import free_port, start, start_stack, stop, wait_serving
 
+from tandem.bench import BenchmarkConfig, run_benchmark
+from tandem.bench.http_vs_grpc import Stack, format_table, measure, ratios, summarize_runs
+from tandem.bench.main import main as bench_main
 from tandem.v1 import generate_pb2
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"min_tokens": 12})
@@ -54,12 +58,30 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict]:
 
 def _num_aborted(stack) -> float:
     """Requests the decode worker ended as aborted (its Prometheus counter)."""
+    return _num_finished(stack, "abort")
+
+
+def _num_finished(stack, status: str) -> float:
+    """Requests the decode worker ended with `status` (its Prometheus counter)."""
     with urllib.request.urlopen(stack.decode_metrics_url, timeout=10) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith("tandem:requests_finished_total{") \
-                    and 'status="abort"' in line:
+                    and f'status="{status}"' in line:
                 return float(line.split()[-1])
     return 0.0
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    """A raw JSON POST: (status, body bytes), the body read to its end."""
+    host, port = url.removeprefix("http://").split("/", 1)[0].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", "/" + url.split("/", 3)[3], json.dumps(body),
+                           {"Content-Type": "application/json", **(headers or {})})
+        reply = connection.getresponse()
+        return reply.status, reply.read()
+    finally:
+        connection.close()
 
 
 def _workers_idle(stack) -> bool:
@@ -269,6 +291,135 @@ def test_a_client_that_closes_before_a_whole_completion_aborts_it(http_stack, mo
     openai.OpenAI(base_url=f"{http_stack.http_url}/v1", api_key="unused").completions.create(
         model=model, prompt=[1, 2], max_tokens=2)  # the worker exports its counters on steps
     assert _num_aborted(http_stack) == num_aborted + 1
+
+
+def test_tokenize_counts_the_prompt_as_a_completion_does(http_stack, client, model):
+    url = http_stack.http_url
+    prompt = "The quick brown fox"
+    status, body = _post(f"{url}/v1/tokenize", {"model": model, "prompt": prompt})
+    tokens = json.loads(body)
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=1)
+    assert status == 200 and tokens["max_model_len"] > 0
+    assert tokens["count"] == len(tokens["tokens"]) == reply.usage.prompt_tokens
+    messages = [{"role": "user", "content": "hey"}]
+    status, body = _post(f"{url}/v1/tokenize", {"messages": messages})
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert status == 200 and json.loads(body)["count"] == chat.usage.prompt_tokens
+    status, body = _post(f"{url}/v1/detokenize", {"model": model, "tokens": tokens["tokens"]})
+    assert status == 200 and json.loads(body)["prompt"].endswith(prompt)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "prompt"),
+    ("tokenize", {}, 400, "prompt"),
+    ("tokenize", {"model": "other", "prompt": "hi"}, 404, "model"),
+    ("tokenize", {"prompt": "hi", "add_special_tokens": False}, 400, "add_special_tokens"),
+    ("detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
+])
+def test_tokenize_refusals_name_the_field(http_stack, path, body, status, param):
+    got, reply = _post(f"{http_stack.http_url}/v1/{path}", body)
+    assert (got, json.loads(reply)["error"]["param"]) == (status, param)
+
+
+def test_return_token_ids_name_each_chunks_tokens(http_stack, client, model):
+    ids = [5, 17, 42, 99]
+    extra = {"min_tokens": 12, "return_token_ids": True}
+    expected = generate(http_stack.router.address, request(ids, max_tokens=12)).token_ids
+    whole = client.completions.create(model=model, prompt=ids, temperature=0.0, max_tokens=12,
+                                      extra_body=extra)
+    assert whole.to_dict()["choices"][0]["token_ids"] == expected
+    chunks = [c.to_dict() for c in client.completions.create(
+        model=model, prompt=ids, temperature=0.0, max_tokens=12, extra_body=extra,
+        stream=True)]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                          temperature=0.0, max_tokens=12, extra_body=extra)
+    assert len(chat.to_dict()["choices"][0]["token_ids"]) == 12
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=2)
+    assert "token_ids" not in plain.to_dict()["choices"][0]
+
+
+def test_a_passed_deadline_is_a_504_and_the_workers_abort(http_stack, client, model):
+    """X-Request-Timeout bounds the request: a whole completion gets a 504; a stream gets a
+    504 (deadline before its first token) or an error event. Neither runs on to its end."""
+    num_finished = _num_finished(http_stack, "length")
+    long = {"model": model, "prompt": "The quick brown fox", "max_tokens": 450,
+            "min_tokens": 450, "temperature": 0.0}
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=model, prompt=long["prompt"], max_tokens=450,
+                                  temperature=0.0, extra_body={"min_tokens": 450},
+                                  extra_headers={"X-Request-Timeout": "0.5"})
+    assert info.value.status_code == 504 and info.value.body["code"] == "DEADLINE_EXCEEDED"
+    status, body = _post(f"{http_stack.http_url}/v1/completions", {**long, "stream": True},
+                         {"X-Request-Timeout": "0.5"})
+    if status == 200:
+        events = [line for line in body.decode().split("\n\n") if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] \
+            == "DEADLINE_EXCEEDED"
+    else:
+        assert status == 504 and json.loads(body)["error"]["code"] == "DEADLINE_EXCEEDED"
+    deadline = time.monotonic() + 30.0
+    while not _workers_idle(http_stack):
+        assert time.monotonic() < deadline, "KV still held after the deadline passed"
+        time.sleep(0.05)
+    # Whether the deadline caught a request in prefill or in decode varies with the box's
+    # speed; either way neither may have run on to its 450 tokens (an unaborted request would
+    # finish as "length", or hold KV past the wait above).
+    client.completions.create(model=model, prompt=[1, 2], max_tokens=2)  # counters refresh
+    assert _num_finished(http_stack, "length") == num_finished + 1  # only this last one
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan"])
+def test_a_bad_timeout_header_is_a_400_naming_it(http_stack, model, value):
+    status, body = _post(f"{http_stack.http_url}/v1/completions",
+                         {"model": model, "prompt": [1, 2], "max_tokens": 2},
+                         {"X-Request-Timeout": value})
+    assert (status, json.loads(body)["error"]["param"]) == (400, "X-Request-Timeout")
+
+
+def test_tandem_bench_over_http_counts_what_grpc_counts(http_stack):
+    config = BenchmarkConfig(router=http_stack.router.address, http=http_stack.http_url,
+                             concurrency=2, num_requests=4, warmup=1, input_len="8",
+                             output_len="6")
+    over_http = run_benchmark(config)
+    over_grpc = run_benchmark(dataclasses.replace(config, http=None))
+    for result in (over_http, over_grpc):
+        stats = result.stats
+        assert (stats["num_ok"], stats["total_output_tokens"]) == (4, 24), stats["errors"]
+        assert stats["ttft_s"]["count"] == stats["tpot_s"]["count"] == 4
+        assert {r.finish_reason for r in result.records} == {"length"}
+    assert over_http.stats["total_prompt_tokens"] == over_grpc.stats["total_prompt_tokens"]
+    assert http_stack.http_url in over_http.table()
+
+
+def test_tandem_bench_http_cli_records_deadline_errors(http_stack, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench_main(["--http", http_stack.http_url, "--num-requests", "2", "--input-len",
+                       "4", "--output-len", "3", "--no-progress", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["stats"]["num_ok"] == 2
+    # A deadline far shorter than 400 tokens take: each request fails with the router's 504.
+    assert bench_main(["--http", http_stack.http_url, "--num-requests", "2", "--input-len",
+                       "4", "--output-len", "400", "--timeout", "0.3", "--no-progress",
+                       "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["stats"]["errors"] == {"DEADLINE_EXCEEDED": 2}
+
+
+def test_http_vs_grpc_prints_both_rows_and_their_ratios(http_stack):
+    import asyncio
+
+    stack = Stack(http_stack.router.address, http_stack.http_url)
+    base = BenchmarkConfig(router=stack.router, num_requests=2, input_len="8", output_len="4")
+    runs = asyncio.run(measure(stack, base, concurrency=2, rounds=2))
+    rows = {name: summarize_runs(runs[name]) for name in ("grpc", "http")}
+    assert [len(runs[name]) for name in ("grpc", "http")] == [2, 2]
+    assert rows["grpc"]["num_ok"] == rows["http"]["num_ok"] == 4
+    verdicts = ratios(rows, runs)
+    assert len(verdicts["tpot_s"]["round_ratios"]) == 2 and verdicts["router_cpu"] is None
+    table = format_table({2: {**rows, "ratios": verdicts}})
+    assert "   2 grpc" in table and "   2 http" in table and "   2 HTTP/gRPC TTFT" in table
 
 
 @pytest.fixture(scope="module")
