@@ -1,24 +1,28 @@
 """Router microbenchmark, no GPU: how many streamed tokens one router core relays, and the
 latency the router adds to each token.
 
-    python -m tandem.bench.router                      # 1, 64 and 512 streams, 10 s each
-    python -m tandem.bench.router --streams 64 --duration 20 --step-ms 10 --json out.json
+    python -m tandem.bench.router                      # 1, 64 and 512 streams
+    python -m tandem.bench.router --streams 64 --duration 20 --json out.json
 
 Three kinds of process on 127.0.0.1: a fake worker (bench/router_fakes.py: a real gRPC server
-of the worker protocol whose stand-in engine yields one token per open stream every
---step-ms), the real router in front of it (`tandem.router.server --both <fake worker>`), and
-client processes keeping N Generate streams open (closed loop: each stream sends its next
-request as soon as one completes). Per level of concurrency:
+of the worker protocol whose stand-in engine yields one token per open stream each step), the
+real router in front of it (`tandem.router.server --both <fake worker>`, with an internal
+token as `tandem up` gives it), and client processes keeping N Generate streams open (closed
+loop: each stream sends its next request as soon as one completes). Each level of concurrency
+runs two phases:
 
-- tokens per router CPU-second: tokens the clients received in the measured window over the
-  CPU time (user + system, every thread) the router's processes used in it, read from /proc,
-  so other load on the machine does not change it much;
-- wall tokens/s and the router's CPU share (cores);
-- added latency per token, p50 / p99: for every token, the time the client received the chunk
-  carrying it minus the time the fake worker sent the message carrying it (both
-  time.monotonic(), one clock per host). It includes gRPC on both hops and the time a ready
-  message waits for a busy router, nothing else; on a machine with fewer free cores than the
-  three processes need it also includes waits for a core.
+- saturated: the fake engine steps as fast as its event loop turns, so the router relays as
+  much as it can. Tokens per router CPU-second are the tokens the clients received in the
+  measured window over the CPU time (user + system, every thread) the router's processes used
+  in it, read from /proc, so other load on the machine changes it little; also wall tokens/s
+  and the router's CPU share (cores).
+- paced: the steps come at --paced-rate tokens/s over all streams, a load below the router's
+  capacity, for the latency the router adds per token (p50 / p99): for every token, the time
+  the client received the chunk carrying it minus the time the fake worker sent the message
+  carrying it (both time.monotonic(), one clock per host). It includes gRPC on both hops and
+  the wait of a message behind the others of the same step (every stream's token of a step
+  arrives at once), nothing else; on a machine with fewer free cores than the processes need
+  it also includes waits for a core.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ import asyncio
 import json
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,10 +55,14 @@ STARTUP_TIMEOUT_SECONDS = 120.0
 
 
 @dataclass
-class LevelResult:
+class PhaseResult:
+    """One measured window at one level of concurrency and one pace of the fake worker."""
+
     streams: int
+    step_seconds: float
     seconds: float
     num_tokens: int
+    num_chunks: int  # client-side chunks that carried tokens
     num_requests_done: int
     num_errors: int
     router_cpu_seconds: float
@@ -69,22 +79,31 @@ class LevelResult:
     def wall_tokens_per_second(self) -> float:
         return self.num_tokens / self.seconds
 
+    @property
+    def tokens_per_chunk(self) -> float:
+        return self.num_tokens / self.num_chunks if self.num_chunks else 0.0
+
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_router_cpu_second": self.tokens_per_router_cpu_second,
-                "wall_tokens_per_second": self.wall_tokens_per_second}
+                "wall_tokens_per_second": self.wall_tokens_per_second,
+                "tokens_per_chunk": self.tokens_per_chunk}
 
 
-def format_table(results: list[LevelResult]) -> str:
-    lines = ["| streams | tok/s per router core | wall tok/s | router CPU (cores) | "
-             "added ms/token p50 | p99 | client CPU | worker CPU | errors |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
+def format_table(capacity: list[PhaseResult], paced: list[PhaseResult]) -> str:
+    """One row per level: the paced phase (about one token per message: the router's cost per
+    token, its added latency), then the saturated one (throughput, and how many tokens each
+    client chunk carried once messages coalesce)."""
+    lines = ["| streams | paced tok/s | tok/s per router core | added ms/token p50 | p99 | "
+             "saturated wall tok/s | tok/s per router core | router cores | tokens/chunk | "
+             "errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for full, slow in zip(capacity, paced):
         lines.append(
-            f"| {r.streams} | {r.tokens_per_router_cpu_second:,.0f} | "
-            f"{r.wall_tokens_per_second:,.0f} | {r.router_cpu_seconds / r.seconds:.2f} | "
-            f"{r.added_latency_ms_p50:.3f} | {r.added_latency_ms_p99:.3f} | "
-            f"{r.client_cpu_seconds / r.seconds:.2f} | {r.worker_cpu_seconds / r.seconds:.2f} | "
-            f"{r.num_errors} |")
+            f"| {full.streams} | {slow.wall_tokens_per_second:,.0f} | "
+            f"{slow.tokens_per_router_cpu_second:,.0f} | {slow.added_latency_ms_p50:.2f} | "
+            f"{slow.added_latency_ms_p99:.2f} | {full.wall_tokens_per_second:,.0f} | "
+            f"{full.tokens_per_router_cpu_second:,.0f} | "
+            f"{full.router_cpu_seconds / full.seconds:.2f} | {full.tokens_per_chunk:.1f} | "
+            f"{full.num_errors + slow.num_errors} |")
     return "\n".join(lines)
 
 
@@ -183,8 +202,10 @@ def added_latencies(sends: dict, received: dict, start: float, stop: float) -> n
     return np.concatenate(latencies) if latencies else np.zeros(0)
 
 
-def measure_level(router_address: str, router_pid: int, worker, worker_pid: int,
-                  streams: int, args: argparse.Namespace) -> LevelResult:
+def measure_phase(router_address: str, router_pid: int, worker, worker_pid: int,
+                  streams: int, step_seconds: float, args: argparse.Namespace) -> PhaseResult:
+    worker.send(step_seconds)
+    worker.recv()
     context = multiprocessing.get_context("spawn")
     num_clients = max(1, min(args.client_processes, streams))
     start_at = time.monotonic() + args.warmup + 1.0  # +1 s: the clients' start-up
@@ -213,13 +234,14 @@ def measure_level(router_address: str, router_pid: int, worker, worker_pid: int,
         process.join()
     worker.send("sends")
     sends = worker.recv()
-    num_tokens = sum(n for chunks in received.values() for t, n in chunks
-                     if start_at <= t < stop_at)
+    in_window = [n for chunks in received.values() for t, n in chunks if start_at <= t < stop_at]
+    num_tokens = sum(in_window)
     latencies = added_latencies(sends, received, start_at, stop_at) * 1000
     p50, p99 = (np.percentile(latencies, [50, 99]) if len(latencies) else (float("nan"),) * 2)
     router_cpu, client_cpu, worker_cpu = (a - b for a, b in zip(cpu_after, cpu_before))
-    return LevelResult(streams, stop_at - start_at, num_tokens, num_done, num_errors,
-                       router_cpu, client_cpu, worker_cpu, float(p50), float(p99))
+    return PhaseResult(streams, step_seconds, stop_at - start_at, num_tokens, len(in_window),
+                       num_done,
+                       num_errors, router_cpu, client_cpu, worker_cpu, float(p50), float(p99))
 
 
 def _free_port() -> int:
@@ -247,7 +269,7 @@ def _wait_serving(address: str, process: subprocess.Popen) -> None:
             time.sleep(0.2)
 
 
-def run(args: argparse.Namespace) -> list[LevelResult]:
+def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]:
     from transformers import AutoTokenizer
 
     model = args.model or str(_default_model())
@@ -257,26 +279,31 @@ def run(args: argparse.Namespace) -> list[LevelResult]:
     worker_port, router_port = _free_port(), _free_port()
     worker, worker_end = context.Pipe()
     worker_process = context.Process(target=serve_fake_worker, daemon=True, args=(
-        worker_port, token_ids, args.step_ms / 1000, Path(model).name, worker_end))
+        worker_port, token_ids, 0.0, Path(model).name, worker_end))
     worker_process.start()
     if worker.recv() != "started":
         raise RuntimeError("the fake worker did not start")
     router_address = f"127.0.0.1:{router_port}"
+    token_file = tempfile.NamedTemporaryFile("w", prefix="tandem-bench-token-", delete=False)
+    token_file.write(secrets.token_hex(16))
+    token_file.close()
     router = subprocess.Popen(
         [sys.executable, "-m", "tandem.router.server", "--model", model, "--port",
          str(router_port), "--both", f"127.0.0.1:{worker_port}", "--max-concurrency", "4096",
-         *args.router_arg],
+         "--internal-token-file", token_file.name, *args.router_arg],
         stdout=subprocess.DEVNULL if not args.router_log else open(args.router_log, "w"),
         stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_serving(router_address, router)
-        results = []
+        capacity, paced = [], []
         for streams in args.streams:
-            result = measure_level(router_address, router.pid, worker, worker_process.pid,
-                                   streams, args)
-            print(format_table([result]).splitlines()[-1], file=sys.stderr, flush=True)
-            results.append(result)
-        return results
+            capacity.append(measure_phase(router_address, router.pid, worker,
+                                          worker_process.pid, streams, 0.0, args))
+            paced.append(measure_phase(router_address, router.pid, worker, worker_process.pid,
+                                       streams, streams / args.paced_rate, args))
+            print(format_table(capacity[-1:], paced[-1:]).splitlines()[-1], file=sys.stderr,
+                  flush=True)
+        return capacity, paced
     finally:
         router.send_signal(signal.SIGTERM)
         try:
@@ -285,6 +312,7 @@ def run(args: argparse.Namespace) -> list[LevelResult]:
             router.kill()
         worker.send("stop")
         worker_process.join(10)
+        os.unlink(token_file.name)
 
 
 def _default_model():
@@ -302,9 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=[1, 64, 512], help="concurrent streams per level (default 1,64,512)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per level")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
-    p.add_argument("--step-ms", type=float, default=20.0,
-                   help="the fake engine's step: one token per stream per step (default 20 ms: "
-                        "50 tokens/s per stream; 0: as fast as the fake worker's loop turns)")
+    p.add_argument("--paced-rate", type=float, default=2000.0,
+                   help="tokens/s all streams together get in the paced phase, which measures "
+                        "the added latency (default 2000: below one router core's capacity)")
     p.add_argument("--output-len", type=int, default=256, help="max_tokens of each request")
     p.add_argument("--logprobs", type=int, help="ask for logprobs (top N) on every request")
     p.add_argument("--client-processes", type=int, default=2,
@@ -318,13 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    results = run(args)
-    print(f"router microbenchmark: --step-ms {args.step_ms:g}, --output-len {args.output_len}, "
-          f"{args.duration:g} s per level, {os.cpu_count()} cores, load average "
-          f"{os.getloadavg()[0]:.2f}")
-    print(format_table(results))
+    capacity, paced = run(args)
+    print(f"router microbenchmark: --output-len {args.output_len}, --paced-rate "
+          f"{args.paced_rate:g}, {args.duration:g} s per phase, {os.cpu_count()} cores, load "
+          f"average {os.getloadavg()[0]:.2f}")
+    print(format_table(capacity, paced))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(
+            {"capacity": [r.as_dict() for r in capacity],
+             "paced": [r.as_dict() for r in paced]}, indent=2) + "\n")
     return 0
 
 

@@ -143,7 +143,8 @@ class _Stream:
 def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, model: str,
                       commands) -> None:
     """Process entry point: serve on 127.0.0.1:`port` until told to stop. `commands` is a
-    multiprocessing connection: "sends" answers take_sends(), "stop" ends the process."""
+    multiprocessing connection: "sends" answers take_sends(), a float sets step_seconds,
+    "stop" ends the process."""
     worker = FakeWorker(token_ids, step_seconds, model)
 
     async def main() -> None:
@@ -158,7 +159,11 @@ def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, mode
             command = await loop.run_in_executor(None, commands.recv)
             if command == "stop":
                 break
-            commands.send(worker.take_sends())
+            if isinstance(command, float):
+                worker.step_seconds = command
+                commands.send("ok")
+            else:
+                commands.send(worker.take_sends())
         steps.cancel()
         await server.stop(0)
 
