@@ -391,7 +391,8 @@ class StallWatchdog:
             self.close()
             return await call.read()
         self._deadline = self._loop.time() + self.seconds
-        if self._timer is None:
+        if self._timer is None or self._timer.when() > self._deadline:  # a shorter limit
+            self.close()
             self._timer = self._loop.call_at(self._deadline, self._fire)
         self._is_reading = True
         try:

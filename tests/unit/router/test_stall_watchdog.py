@@ -23,8 +23,10 @@ class PacedDecode(worker_pb2_grpc.WorkerServicer):
             yield worker_pb2.DecodeResponse(token_ids=[index])
 
 
-def read_all(gaps: list[float], seconds: float, pause_between_reads: float = 0.0):
-    """The token ids read through a watchdog of `seconds`, or the exception it raised."""
+def read_all(gaps: list[float], seconds: float, pause_between_reads: float = 0.0,
+             later_seconds: float | None = None):
+    """The token ids read through a watchdog of `seconds` (`later_seconds` after the first
+    message, when given), and "timeout" if it timed out."""
     with serve(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(
             PacedDecode(gaps), server)) as address:
         async def main():
@@ -35,6 +37,8 @@ def read_all(gaps: list[float], seconds: float, pause_between_reads: float = 0.0
                 try:
                     while (message := await watchdog.read(call)) is not grpc.aio.EOF:
                         token_ids += message.token_ids
+                        if later_seconds is not None:
+                            watchdog.seconds = later_seconds
                         await asyncio.sleep(pause_between_reads)
                 except asyncio.TimeoutError:
                     assert asyncio.current_task().cancelling() == 0, "left cancelled"
@@ -48,6 +52,12 @@ def read_all(gaps: list[float], seconds: float, pause_between_reads: float = 0.0
 
 def test_a_gap_longer_than_the_limit_times_out_the_read():
     assert read_all([0.0, 0.0, 1.5], seconds=0.3) == ([0, 1], "timeout")
+
+
+def test_a_shorter_limit_after_the_first_message_applies_at_once():
+    """The first message gets the generous first-token allowance; the next gap is held to the
+    token-gap limit, not to the allowance's timer."""
+    assert read_all([0.0, 2.0], seconds=30.0, later_seconds=0.3) == ([0], "timeout")
 
 
 def test_gaps_within_the_limit_pass_however_long_the_stream():
