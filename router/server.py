@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 def supervise(argv: list[str], num_processes: int, args: argparse.Namespace) -> int:
     """`num_processes` routers on one port under a parent that restarts them
     (router/supervisor.py)."""
+    if args.port == 0 or args.http_port == 0:
+        raise ValueError("--processes above 1 needs a fixed --port (and --http-port): with "
+                         "port 0 each process would listen on a port of its own")
     supervisor = Supervisor(argv, num_processes, args.max_concurrency, args.max_queue,
                             args.drain_delay_seconds + args.shutdown_grace_seconds
                             + EXIT_MARGIN_SECONDS, Path(args.model).name)
