@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]
     router = subprocess.Popen(
         [sys.executable, "-m", "tandem.router.server", "--model", model, "--port",
          str(router_port), "--both", f"127.0.0.1:{worker_port}", "--max-concurrency", "4096",
-         "--internal-token-file", token_file.name, *args.router_arg],
+         "--internal-token-file", token_file.name, "--processes", "1", *args.router_arg],
         stdout=subprocess.DEVNULL if not args.router_log else open(args.router_log, "w"),
         stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-processes", type=int, default=2,
                    help="processes the streams are spread over (default 2)")
     p.add_argument("--router-arg", action="append", default=[],
-                   help="extra router flag (repeatable), e.g. --router-arg=--processes=2")
+                   help="extra router flag (repeatable), e.g. --router-arg=--processes=2 (the "
+                        "default is one process)")
     p.add_argument("--router-log", help="write the router's log here")
     p.add_argument("--json", help="write the results here")
     return p
