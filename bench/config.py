@@ -40,12 +40,19 @@ class BenchmarkConfig:
     slo_tpot_s: float | None = None
     timeout_s: float | None = None
     show_progress: bool = False
+    processes: int = 1  # load-generator processes the requests are spread over
+
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.rate is not None:
             raise ValueError("concurrency/rate: give one of them, not both")
         _check_positive(self, "concurrency", "rate", "num_requests", "duration_s",
                         "slo_ttft_s", "slo_tpot_s", "timeout_s")
+        if self.processes < 1:
+            raise ValueError(f"processes: must be >= 1, not {self.processes}")
+        if not self.is_open_loop and self.processes > self.max_in_flight:
+            raise ValueError(f"processes: {self.processes} is more than the concurrency "
+                             f"{self.max_in_flight} (each process keeps a request in flight)")
         if self.warmup < 0:
             raise ValueError(f"warmup: must be >= 0, not {self.warmup}")
         if self.temperature < 0:

@@ -68,7 +68,9 @@ class LoadGenerator:
     """Runs one load phase (warmup + measured requests) and returns its records."""
 
     def __init__(self, client: AsyncTandemClient, config: BenchmarkConfig,
-                 specs: Iterator[RequestSpec]) -> None:
+                 specs: Iterator[RequestSpec], arrival_stream: int = 0) -> None:
+        """arrival_stream: which of several processes' independent Poisson arrivals this one
+        draws (bench/spread.py); 0 is a single process's."""
         self.client, self.config, self.specs = client, config, specs
         self.records: list[RequestRecord] = []
         self._next_index = 0
@@ -76,7 +78,8 @@ class LoadGenerator:
         self._num_errors = 0
         self._measured_start_s: float | None = None
         self._run_id = uuid.uuid4().hex[:8]
-        self._arrivals = np.random.default_rng([config.seed, 1])
+        self._arrivals = np.random.default_rng(
+            [config.seed, 1] + ([arrival_stream] if arrival_stream else []))
         limit = config.max_measured_requests
         self.progress = Progress(label=config.load_shape(),
                                  total=None if limit is None else config.warmup + limit,

@@ -119,6 +119,10 @@ def format_table(stats: dict, *, router: str, load: str, model: str = "") -> str
         ("Total token throughput", _num(stats["total_token_throughput"], " tok/s", digits=1)),
         ("Goodput", _goodput_line(stats)),
     ]
+    if "generator" in stats:  # the load generator's own CPU: near 1 core per process, it limits
+        generator = stats["generator"]
+        rows.append(("Load generator CPU", f"{generator['cpu_cores']:.2f} cores in "
+                                           f"{generator['processes']} process(es)"))
     lines = [" Tandem benchmark ".center(WIDTH, "=")]
     lines += [f"{label:<25}{value}" for label, value in rows]
     lines += ["-" * WIDTH, f"{'Latency (ms)':<14}" + "".join(

@@ -13,7 +13,9 @@ compute the statistics.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import resource
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from tandem.bench.config import BenchmarkConfig
 from tandem.bench.loadgen import LoadGenerator
 from tandem.bench.records import RequestRecord
 from tandem.bench.report import compute_stats, format_table
+from tandem.bench.spread import spread_records
 from tandem.bench.workload import (FilePrompt, RequestSpec, file_workload, read_prompts_file,
                                    synthetic_workload)
 from tandem.client import AsyncTandemClient
@@ -77,25 +80,43 @@ async def async_run_benchmark(config: BenchmarkConfig,
     """run_benchmark inside a running event loop. Cancelled, it raises BenchmarkInterrupted
     with the requests that had finished."""
     prompts = read_prompts_file(config.prompts_file) if config.prompts_file else None
-    async with _client(config, client_options or {}) as client:
+    async with open_client(config, client_options or {}) as client:
         model_info = await _model_info(client, config.target)
-        specs = _workload(config, model_info, prompts)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         origin_s = time.perf_counter()
-        generator = LoadGenerator(client, config, specs)
+        cpu_before = _generator_cpu_seconds()
+        if config.processes > 1:  # the loop waits: the children do the work
+            records, interrupted = spread_records(
+                config, client_options or {},
+                functools.partial(_workload, config, model_info, prompts))
+            result = _result(config, model_info, records, started_at, origin_s, cpu_before)
+            if interrupted:
+                raise BenchmarkInterrupted([result])
+            return result
+        generator = LoadGenerator(client, config, _workload(config, model_info, prompts))
         try:
             records = await generator.run()
         except asyncio.CancelledError:
             finished = sorted((r for r in generator.records if r.error_code != "CANCELLED"),
                               key=lambda record: record.index)
             raise BenchmarkInterrupted([_result(config, model_info, finished, started_at,
-                                                origin_s)]) from None
-    return _result(config, model_info, records, started_at, origin_s)
+                                                origin_s, cpu_before)]) from None
+    return _result(config, model_info, records, started_at, origin_s, cpu_before)
+
+
+def _generator_cpu_seconds() -> float:
+    """CPU seconds of this process and of its load-generator children that have ended."""
+    return sum(usage.ru_utime + usage.ru_stime for usage in (
+        resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def _result(config: BenchmarkConfig, model_info: dict, records: list[RequestRecord],
-            started_at: str, origin_s: float) -> BenchmarkResult:
+            started_at: str, origin_s: float, cpu_before: float) -> BenchmarkResult:
     stats = compute_stats(records, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s)
+    cpu_seconds = _generator_cpu_seconds() - cpu_before
+    wall_seconds = max(time.perf_counter() - origin_s, 1e-9)
+    stats["generator"] = {"processes": config.processes, "cpu_s": cpu_seconds,
+                          "cpu_cores": cpu_seconds / wall_seconds}
     return BenchmarkResult(config, model_info, records, stats, started_at, origin_s)
 
 
@@ -130,7 +151,7 @@ def sweep_to_json(rates: Sequence[float], results: Sequence[BenchmarkResult]) ->
                       indent=2)
 
 
-def _client(config: BenchmarkConfig, client_options: dict):
+def open_client(config: BenchmarkConfig, client_options: dict):
     """The gRPC client, or the HTTP one when `config.http` is set (same interface)."""
     if config.http is not None:
         from tandem.bench.http_client import HTTPBenchClient

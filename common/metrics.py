@@ -8,6 +8,7 @@ prometheus-client appends `_total` to counters and `_bucket/_sum/_count` to hist
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
@@ -53,8 +54,10 @@ class _Metrics:
         return serve_metrics(self.registry, port, host)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str) -> ThreadingHTTPServer:
-    """/metrics in the Prometheus text format, always.
+def serve_metrics(registry: CollectorRegistry, port: int, host: str,
+                  pages: Callable[[str], bytes | None] | None = None) -> ThreadingHTTPServer:
+    """/metrics in the Prometheus text format, always; `pages(path)` may serve other paths
+    (None: 404).
 
     prometheus-client's own server answers an OpenMetrics Accept header (which Prometheus
     sends) with names whose ':' became '_', so `tandem:x` would be stored as `tandem_x` and
@@ -63,10 +66,14 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str) -> Threadin
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            if self.path.split("?")[0] not in ("/metrics", "/"):
+            path = self.path.split("?")[0]
+            if path in ("/metrics", "/"):
+                body = generate_latest(registry)
+            else:
+                body = pages(path) if pages is not None else None
+            if body is None:
                 self.send_error(404)
                 return
-            body = generate_latest(registry)
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))
@@ -150,6 +157,18 @@ class RouterMetrics(_Metrics):
         self.worker_rejoins = self._counter(
             "tandem:worker_rejoins", "Ejected workers back in the routing pool after a good "
             "check.", ("worker", "role"))
+
+
+class RouterSupervisorMetrics(_Metrics):
+    """The parent of `tandem router --processes N` (router/supervisor.py)."""
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(model, "router", registry)
+        self.process_restarts = self._counter(
+            "tandem:router_process_restarts",
+            "Router processes started again after one exited unexpectedly.")
+        self.num_processes = self._gauge("tandem:router_processes",
+                                         "Router processes running.")
 
 
 class WorkerMetrics(_Metrics):

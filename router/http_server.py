@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -30,7 +31,9 @@ class TLSPaths:
 
 class HTTPServer:
     def __init__(self, app, host: str, port: int, grace_seconds: float,
-                 tls: TLSPaths | None = None) -> None:
+                 tls: TLSPaths | None = None, reuse_port: bool = False) -> None:
+        """reuse_port: bind with SO_REUSEPORT, beside the other router processes on the
+        port."""
         ssl_args = {} if tls is None else dict(
             ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED)
@@ -39,6 +42,7 @@ class HTTPServer:
                                 timeout_graceful_shutdown=max(1, int(grace_seconds)),
                                 **ssl_args)
         self._server = _EmbeddedServer(config)
+        self._reuse_port = reuse_port
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -52,9 +56,23 @@ class HTTPServer:
 
     async def _serve(self) -> None:
         try:
-            await self._server.serve()
-        except SystemExit:  # uvicorn's answer to a port it cannot bind (it logs why)
+            sockets = [self._shared_socket()] if self._reuse_port else None
+            await self._server.serve(sockets=sockets)
+        except (SystemExit, OSError):  # uvicorn's answer to a port it cannot bind (it logs why)
             pass
+
+    def _shared_socket(self) -> socket.socket:
+        config = self._server.config
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind((config.host, config.port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     async def stop(self) -> None:
         """Stops accepting connections and lets in-flight responses finish (up to the grace)."""

@@ -250,28 +250,30 @@ class RequestFlow:
 
     async def _relay(self, worker: WorkerEndpoint, call, first_token_timeout: float | None):
         worker.num_in_flight += 1
+        # Its first message follows the KV pull or the whole prompt: the first-token allowance;
+        # every later one a single decode step.
+        watchdog = StallWatchdog(first_token_timeout)
         try:
-            is_first = True
+            awaited = "a message"
             while True:
-                # Its first message follows the KV pull or the whole prompt: the first-token
-                # allowance; every later one a single decode step.
-                message = await self._call(
-                    worker, call.read(),
-                    first_token_timeout if is_first else self.stall.token_gap_timeout,
-                    "a message" if is_first else "the next token")
+                message = await self._call(worker, watchdog.read(call), watchdog, awaited)
                 if message is grpc.aio.EOF:
                     self.pool.mark_failed(worker, "ended a stream unfinished")
                     raise WorkerFailure(worker, "stream_ended",
                                         f"{worker.role} worker {worker.address} ended the "
                                         "stream without finishing the request")
-                if is_first and worker.role == "both" and not self.output.token_ids:
-                    self.num_cached_tokens = message.num_cached_tokens
-                is_first = False
+                if watchdog.is_first:
+                    if worker.role == "both" and not self.output.token_ids:
+                        self.num_cached_tokens = message.num_cached_tokens
+                    watchdog.is_first = False
+                    watchdog.seconds = self.stall.token_gap_timeout
+                    awaited = "the next token"
                 finish = finish_reason_from_proto(message.finish_reason)
-                yield list(message.token_ids), list(message.logprobs), finish
+                yield message.token_ids, message.logprobs, finish
                 if finish is not None:
                     return
         finally:
+            watchdog.close()
             worker.num_in_flight -= 1
             call.cancel()
 
@@ -298,15 +300,19 @@ class RequestFlow:
     def _first_token_timeout(self) -> float | None:
         return self.stall.first_token_timeout(len(self.request.prompt_token_ids))
 
-    async def _call(self, worker: WorkerEndpoint, awaitable, stall_seconds: float | None,
+    async def _call(self, worker: WorkerEndpoint, awaitable, stall: float | None | StallWatchdog,
                     awaited: str):
-        """`awaitable`'s result; a stall past `stall_seconds` or a worker-side failure ejects
-        the worker and raises WorkerFailure. The worker's own verdicts on the request
-        (INVALID_ARGUMENT, OUT_OF_RANGE, ...) pass through as they are."""
+        """`awaitable`'s result; a stall (no result within `stall` seconds, or as the watchdog
+        that guards the awaitable says) or a worker-side failure ejects the worker and raises
+        WorkerFailure. The worker's own verdicts on the request (INVALID_ARGUMENT,
+        OUT_OF_RANGE, ...) pass through as they are."""
         try:
-            return await _within(stall_seconds, awaitable)
+            if isinstance(stall, StallWatchdog):
+                return await awaitable
+            return await _within(stall, awaitable)
         except asyncio.TimeoutError:
-            reason = f"sent no {awaited} within {stall_seconds:.1f} s (stall timeout)"
+            seconds = stall.seconds if isinstance(stall, StallWatchdog) else stall
+            reason = f"sent no {awaited} within {seconds:.1f} s (stall timeout)"
             self.pool.mark_failed(worker, reason, cause="stall")
             raise WorkerFailure(worker, "stall",
                                 f"{worker.role} worker {worker.address} {reason}") from None
@@ -357,6 +363,67 @@ class RequestFlow:
                 time_per_output_token_seconds=tpot, e2e_seconds=now - arrival,
                 prefill_queue_seconds=self.prefill_queue_seconds,
                 prefill_compute_seconds=self.prefill_compute_seconds))
+
+
+class StallWatchdog:
+    """The stall timeout of one stream's reads, at the cost of a float per message.
+
+    A timeout per read (asyncio.timeout) schedules and cancels a timer for every token. This
+    keeps one timer per stream that re-arms itself when it fires early: a read only moves the
+    deadline. When the deadline passes during a read, the reading task is cancelled and that
+    read raises asyncio.TimeoutError; time spent outside read() (the client accepting a chunk)
+    never counts.
+    """
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds  # for the next read; None: no limit
+        self.is_first = True  # no message read yet
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._deadline = 0.0
+        self._is_reading = False
+        self._has_expired = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def read(self, call):
+        """call.read(), raising asyncio.TimeoutError after `seconds` without a message."""
+        if self.seconds is None:
+            self.close()
+            return await call.read()
+        self._deadline = self._loop.time() + self.seconds
+        if self._timer is None or self._timer.when() > self._deadline:  # a shorter limit
+            self.close()
+            self._timer = self._loop.call_at(self._deadline, self._fire)
+        self._is_reading = True
+        try:
+            return await call.read()
+        except asyncio.CancelledError:
+            if not self._has_expired:
+                raise
+            uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
+            if uncancel is not None:
+                uncancel()
+            raise asyncio.TimeoutError from None
+        finally:
+            self._is_reading = False
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        if self.seconds is None:
+            self._timer = None
+            return
+        if not self._is_reading or self._loop.time() < self._deadline:
+            # Re-armed at the current deadline: a read that starts later moves it further.
+            self._timer = self._loop.call_at(
+                max(self._deadline, self._loop.time() + self.seconds), self._fire)
+            return
+        self._timer = None
+        self._has_expired = True
+        self._task.cancel()
 
 
 async def _within(seconds: float | None, awaitable):

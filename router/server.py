@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,7 @@ from tandem.router.http_server import HTTPServer, TLSPaths
 from tandem.router.openai_api import DEFAULT_REQUEST_TIMEOUT_SECONDS, create_app
 from tandem.router.request_flow import StallLimits
 from tandem.router.servicer import GenerateServicer, add_generate_service
+from tandem.router.supervisor import EXIT_MARGIN_SECONDS, Supervisor, default_num_processes
 from tandem.router.tokenization import ModelFrontend
 from tandem.router.worker_pool import WorkerPool
 from tandem.v1 import generate_pb2
@@ -108,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "header (as a gRPC call's deadline: past it the request is aborted "
                         "on every worker and answered 504); 0 means none "
                         f"(default {DEFAULT_REQUEST_TIMEOUT_SECONDS:g})")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="router processes sharing --port (and --http-port) through "
+                        "SO_REUSEPORT, each with its own worker pool, health checks and share "
+                        "of --max-concurrency and --max-queue; a parent restarts any that "
+                        "exits and serves their summed metrics on --metrics-port (default: a "
+                        "quarter of the cores, at least 1, at most 8)")
+    p.add_argument("--process-index", type=int, help=argparse.SUPPRESS)  # set by the parent
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
@@ -142,7 +151,9 @@ async def serve(args: argparse.Namespace) -> None:
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     interceptors = [BearerTokenInterceptor(token, (f"/{SERVICE_NAME}/",))] if token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    is_one_of_many = args.process_index is not None
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.so_reuseport", 1)] if is_one_of_many else None)
     add_generate_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -158,7 +169,9 @@ async def serve(args: argparse.Namespace) -> None:
         http_server = await start_http(servicer, token, args)
     readiness = asyncio.create_task(_track_readiness(pool, health_servicer,
                                                      args.health_check_interval))
-    logger.info("router serving %s on %s; workers: %s", frontend.limits.name, address,
+    logger.info("router%s serving %s on %s; workers: %s",
+                f" process {args.process_index}" if is_one_of_many else "",
+                frontend.limits.name, address,
                 ", ".join(f"{w.role}={w.address}" for w in pool.workers))
 
     stop = asyncio.Event()
@@ -186,7 +199,8 @@ async def start_http(servicer: GenerateServicer, token: str | None,
     host = args.http_host or args.host
     tls = TLSPaths(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     app = create_app(servicer, token, args.http_request_timeout_seconds or None)
-    http_server = HTTPServer(app, host, args.http_port, args.shutdown_grace_seconds, tls)
+    http_server = HTTPServer(app, host, args.http_port, args.shutdown_grace_seconds, tls,
+                             reuse_port=args.process_index is not None)
     await http_server.start()
     logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if tls else "http",
                 host, args.http_port)
@@ -208,13 +222,36 @@ async def _track_readiness(pool: WorkerPool, health_servicer, interval: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
+        num_processes = (args.processes if args.processes is not None
+                         else default_num_processes(args.max_concurrency))
+        if num_processes < 1:
+            raise ValueError(f"--processes={num_processes} must be >= 1")
+        if num_processes > 1:
+            return supervise(argv, num_processes, args)
         asyncio.run(serve(args))
     except ValueError as exc:
         print(f"tandem router: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def supervise(argv: list[str], num_processes: int, args: argparse.Namespace) -> int:
+    """`num_processes` routers on one port under a parent that restarts them
+    (router/supervisor.py)."""
+    if args.port == 0 or args.http_port == 0:
+        raise ValueError("--processes above 1 needs a fixed --port (and --http-port): with "
+                         "port 0 each process would listen on a port of its own")
+    supervisor = Supervisor(argv, num_processes, args.max_concurrency, args.max_queue,
+                            args.drain_delay_seconds + args.shutdown_grace_seconds
+                            + EXIT_MARGIN_SECONDS, Path(args.model).name)
+    if args.metrics_port is not None:
+        supervisor.serve_metrics(args.metrics_port, args.metrics_host)
+        logger.info("metrics of %d router processes on http://%s:%d/metrics", num_processes,
+                    args.metrics_host, args.metrics_port)
+    return supervisor.run()
 
 
 if __name__ == "__main__":

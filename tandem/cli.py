@@ -72,6 +72,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, metavar="PORT",
                    help="the router also serves the OpenAI-compatible HTTP API on PORT (same "
                         "host; off when not given)")
+    p.add_argument("--router-processes", type=int, default=1, metavar="N",
+                   help="router processes on the router's port (`tandem router --processes`; "
+                        "default 1: the workers of a local stack use the cores)")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds each process may take to become SERVING")
     p.add_argument("--grace", type=float, default=10.0,
@@ -140,6 +143,12 @@ def _passed_flags(args: argparse.Namespace, flags: list) -> list[str]:
     return argv
 
 
+def router_flags(args: argparse.Namespace) -> list[str]:
+    """The flags `tandem up` passes to its router (security's shared ones aside)."""
+    return (["--processes", str(args.router_processes)] + _passed_flags(args, ROUTER_FLAGS)
+            + _passed_flags(args, PUBLIC_AUTH_FLAGS) + _passed_flags(args, HTTP_FLAGS))
+
+
 def worker_flags(args: argparse.Namespace, num_workers: int) -> list[str]:
     """The flags `tandem up` passes to each of its num_workers workers: the ones given, and
     an equal share of --gpu-memory-utilization (they all start on the same GPUs)."""
@@ -157,6 +166,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _error("--prefill and --decode must both be at least 1, or both 0 with --both N")
     if num_prefill + args.both == 0:
         return _error("no workers: give --prefill N --decode N or --both N")
+    if args.router_processes < 1:
+        return _error(f"--router-processes {args.router_processes} must be at least 1")
     try:
         check_port_free(args.host, args.port)
         if args.http_port is not None:
@@ -188,9 +199,7 @@ def run_up(args: argparse.Namespace) -> int:
         groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
                             num_both=args.both, host=args.host, port=args.port,
                             worker_flags=worker_flags(args, num_workers) + common,
-                            router_flags=(_passed_flags(args, ROUTER_FLAGS)
-                                          + _passed_flags(args, PUBLIC_AUTH_FLAGS)
-                                          + _passed_flags(args, HTTP_FLAGS) + common))
+                            router_flags=router_flags(args) + common)
         return _run_planned_stack(args, model, groups, tls)
 
 

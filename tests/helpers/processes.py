@@ -137,8 +137,9 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
         stop(list(workers.values()))
         raise
     port = free_port()
+    # One router process unless router_args say otherwise (the default follows the cores).
     router_cmd = ["tandem.router.server", "--model", str(model), "--port", str(port),
-                  "--health-check-interval", "0.5", *router_args]
+                  "--health-check-interval", "0.5", "--processes", "1", *router_args]
     for role, addresses in by_role.items():
         if addresses:
             router_cmd += [f"--{role}", ",".join(addresses)]

@@ -233,6 +233,30 @@ def test_run_counts_requests_and_errors(router, load):
     assert data["config"]["concurrency" if "concurrency" in load else "rate"] is not None
 
 
+@pytest.mark.parametrize("load", [dict(concurrency=4), dict(rate=400.0)])
+def test_processes_split_one_workload_and_report_the_generator_cpu(router, load):
+    """Two processes: every global index once, warmup 0 and 1 as in one process; each process
+    numbers its own request ids (0..10), so the stand-in refuses its local 3 and 8 in each."""
+    config = BenchmarkConfig(router=router, num_requests=20, warmup=2, input_len="uniform:4:16",
+                             output_len="8", processes=2, **load)
+    result = run_benchmark(config)
+    assert sorted(r.index for r in result.records) == list(range(22))
+    assert {r.index for r in result.records if r.is_warmup} == {0, 1}
+    stats = result.stats
+    assert (stats["num_requests"], stats["num_ok"]) == (20, 16)
+    assert stats["errors"] == {"RESOURCE_EXHAUSTED": 4}
+    assert stats["generator"]["processes"] == 2 and stats["generator"]["cpu_cores"] > 0
+    assert "Load generator CPU" in result.table()
+    single = run_benchmark(BenchmarkConfig(router=router, num_requests=4, output_len="4",
+                                           concurrency=2))
+    assert single.stats["generator"]["processes"] == 1
+
+
+def test_more_processes_than_concurrency_is_refused():
+    with pytest.raises(ValueError, match="processes"):
+        BenchmarkConfig(concurrency=2, processes=3)
+
+
 def test_duration_stops_starting_requests(router):
     result = run_benchmark(BenchmarkConfig(router=router, concurrency=2, duration_s=0.3,
                                            input_len="4", output_len="4"))

@@ -272,6 +272,19 @@ def test_up_passes_reliability_flags_to_the_workers_and_the_router_that_accept_t
     assert defaults.kv_pull_failure == "recompute"
 
 
+def test_up_passes_router_processes_to_the_router_which_accepts_them(tmp_path, capsys):
+    from tandem.router.server import build_parser as router_parser
+
+    up = cli.build_parser()
+    assert cli.router_flags(up.parse_args(["up"])) == ["--processes", "1"]
+    flags = cli.router_flags(up.parse_args(["up", "--router-processes", "3"]))
+    assert flags == ["--processes", "3"]
+    assert router_parser().parse_args(["--model", "/m", *flags]).processes == 3
+    assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
+                     "--router-processes", "0"]) == 1
+    assert "--router-processes 0 must be at least 1" in capsys.readouterr().err
+
+
 def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_fractions(
         tmp_path, capsys):
     from tandem.workers.server import build_parser, engine_config

@@ -194,6 +194,14 @@ def test_reliability_flags_only_when_set(rendered):
             assert flag_value(args, "--max-step-stall-seconds") == ("20" if is_set else None)
 
 
+def test_router_processes_flag(rendered):
+    """router.processes renders as --processes (1 unless set; nvidia-tp2 sets 4)."""
+    for name, (_, docs) in rendered.items():
+        (router,) = of_kind(docs, "Deployment")
+        assert flag_value(main_container(router)["args"], "--processes") == (
+            "4" if name == "nvidia-tp2" else "1"), name
+
+
 def test_tls_flags_and_mount_only_when_enabled(rendered):
     for name, (_, docs) in rendered.items():
         for workload in workloads(docs):

@@ -1,0 +1,170 @@
+"""The router microbenchmark's fake worker: a real gRPC server of the worker protocol with no
+engine behind it.
+
+It answers what the router calls (grpc.health.v1 Check, Worker/GetLoad, Decode, Prefill,
+Abort) as an aggregated ("both") worker would. A step loop stands in for the engine: every
+`step_seconds` (0: as fast as the event loop turns) it appends the next token to every open
+stream, up to the stream's max_tokens. Each Decode handler sends, as the real servicer does,
+every token queued since its previous message in one DecodeResponse, so a handler that falls
+behind the steps coalesces. Token ids walk a text encoded with the served model's tokenizer
+(a different starting point per request), so the router's detokenizer and stop-string scan do
+the work they do on real output.
+
+For the latency figure every message's send time (time.monotonic(), the clock every process
+on the host shares) is recorded per request, under the id the client chose: the router names
+a worker-side request `<client id>.<uuid>`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
+
+# Prose with punctuation, digits, code and a few multi-byte characters: what a chat model
+# streams. Repeated with variations by corpus_text() to a few thousand tokens.
+_PASSAGE = (
+    "The router tokenizes each prompt, admits it, and relays the tokens that the decode "
+    "worker streams back. In 2024, a single H100 served about 3,500 tokens per second for an "
+    "8B model; with batching, throughput grows roughly linearly until memory bandwidth is "
+    "saturated. Consider the function below:\n\n```python\ndef mean(values: list[float]) -> "
+    "float:\n    return sum(values) / len(values) if values else 0.0\n```\n\nIt returns 0.0 "
+    "for an empty list. Café, naïve, Zürich and 東京 need multi-byte characters; emoji such as "
+    "🚀 or ✅ need four bytes each. Finally, note that \"quotes\", (parentheses) and "
+    "[brackets] tokenize differently at the start of a word than in its middle.\n\n"
+)
+
+
+def corpus_text(num_passages: int = 24) -> str:
+    """A few thousand tokens of varied text (numbered passages, so no two are equal)."""
+    return "".join(f"{index + 1}. {_PASSAGE}" for index in range(num_passages))
+
+
+class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer):
+    def __init__(self, token_ids: list[int], step_seconds: float, model: str) -> None:
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        self.token_ids = token_ids
+        self.step_seconds = step_seconds
+        self.model = model
+        self._streams: dict[str, _Stream] = {}
+        # client request id -> [(send time, tokens in the message)], filled by Decode.
+        self.sends: dict[str, list[tuple[float, int]]] = {}
+
+    def take_sends(self) -> dict[str, list[tuple[float, int]]]:
+        """Every send recorded so far; starts a new record."""
+        sends, self.sends = self.sends, {}
+        return sends
+
+    async def run_steps(self) -> None:
+        """The stand-in engine: one token for every open stream per step."""
+        while True:
+            await asyncio.sleep(self.step_seconds)
+            for stream in self._streams.values():
+                stream.step(self.token_ids)
+
+    async def Check(self, request, context):  # noqa: N802 (gRPC's naming)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        return worker_pb2.GetLoadResponse(role="both", num_running=len(self._streams),
+                                          model=self.model)
+
+    async def Abort(self, request, context):  # noqa: N802
+        stream = self._streams.get(request.request_id)
+        if stream is not None:
+            stream.task.cancel()
+        return worker_pb2.AbortResponse(found=stream is not None)
+
+    async def Prefill(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "the fake worker serves aggregated (both) requests only")
+
+    async def Decode(self, request, context):  # noqa: N802
+        request_id = request.request_id
+        start = zlib.crc32(request_id.encode()) % len(self.token_ids)
+        stream = _Stream(request.params.max_tokens, start, request.params.HasField("logprobs"),
+                         asyncio.current_task())
+        self._streams[request_id] = stream
+        sends: list[tuple[float, int]] = []
+        self.sends[request_id.rsplit(".", 1)[0]] = sends
+        try:
+            while stream.num_sent < stream.max_tokens:
+                await stream.ready.wait()
+                stream.ready.clear()
+                token_ids = stream.pending
+                stream.pending = []
+                stream.num_sent += len(token_ids)
+                finished = stream.num_sent >= stream.max_tokens
+                response = worker_pb2.DecodeResponse(
+                    token_ids=token_ids,
+                    finish_reason=generate_pb2.FINISH_REASON_LENGTH if finished else 0)
+                if stream.wants_logprobs:
+                    response.logprobs.extend(generate_pb2.TokenLogprob(
+                        token_id=t, logprob=-0.5, rank=1, top=[generate_pb2.TopLogprob(
+                            token_id=t, logprob=-0.5)]) for t in token_ids)
+                sends.append((time.monotonic(), len(token_ids)))
+                yield response
+        finally:
+            del self._streams[request_id]
+
+    def register(self, server: grpc.aio.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self, server)
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+
+
+class _Stream:
+    """One Decode call's queue between the step loop and its handler."""
+
+    def __init__(self, max_tokens: int, position: int, wants_logprobs: bool,
+                 task: asyncio.Task) -> None:
+        self.max_tokens = max_tokens
+        self.position = position
+        self.wants_logprobs = wants_logprobs
+        self.task = task
+        self.pending: list[int] = []
+        self.num_made = 0
+        self.num_sent = 0
+        self.ready = asyncio.Event()
+
+    def step(self, token_ids: list[int]) -> None:
+        if self.num_made >= self.max_tokens:
+            return
+        self.pending.append(token_ids[self.position % len(token_ids)])
+        self.position += 1
+        self.num_made += 1
+        self.ready.set()
+
+
+def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, model: str,
+                      commands) -> None:
+    """Process entry point: serve on 127.0.0.1:`port` until told to stop. `commands` is a
+    multiprocessing connection: "sends" answers take_sends(), a float sets step_seconds,
+    "stop" ends the process."""
+    worker = FakeWorker(token_ids, step_seconds, model)
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        worker.register(server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        steps = asyncio.create_task(worker.run_steps())
+        loop = asyncio.get_running_loop()
+        commands.send("started")
+        while True:
+            command = await loop.run_in_executor(None, commands.recv)
+            if command == "stop":
+                break
+            if isinstance(command, float):
+                worker.step_seconds = command
+                commands.send("ok")
+            else:
+                commands.send(worker.take_sends())
+        steps.cancel()
+        await server.stop(0)
+
+    asyncio.run(main())
