@@ -23,7 +23,9 @@ class BenchmarkConfig:
     Lengths are LengthDist strings ("32", "uniform:16:64", "normal:128:32").
     `workload` (bench/prefix_workloads.py): "random" (the above), "chat" (`conversations`
     conversations of `turns` turns with `system_prompt_len`-token system prompts; input_len is
-    each user message, concurrency is the number of conversations) or "shared-prefix" (`groups`
+    each user message, concurrency is the number of conversations; a conversation pauses
+    `think_time_s` on average, exponentially distributed, between a reply and its next turn)
+    or "shared-prefix" (`groups`
     prefixes of `prefix_len` tokens; input_len is each request's suffix).
     """
     router: str = "127.0.0.1:50051"
@@ -48,6 +50,7 @@ class BenchmarkConfig:
     system_prompt_len: int = 256
     groups: int = 4
     prefix_len: int = 512
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -60,6 +63,8 @@ class BenchmarkConfig:
                              "drop --concurrency/--rate")
         _check_positive(self, "conversations", "turns", "system_prompt_len", "groups",
                         "prefix_len")
+        if not self.think_time_s >= 0:
+            raise ValueError(f"think_time_s: must be >= 0, not {self.think_time_s}")
         if self.concurrency is not None and self.rate is not None:
             raise ValueError("concurrency/rate: give one of them, not both")
         _check_positive(self, "concurrency", "rate", "num_requests", "duration_s",

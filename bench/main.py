@@ -78,6 +78,9 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     shared.add_argument("--system-prompt-len", type=int, default=256, metavar="S",
                         help="chat: tokens of each conversation's system prompt (default 256); "
                              "--input-len is each user message")
+    shared.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
+                        help="chat: mean pause between a reply and the next turn "
+                             "(exponential; default 0: the next turn follows at once)")
     shared.add_argument("--groups", type=int, default=4, metavar="G",
                         help="shared-prefix: prompt groups (default 4)")
     shared.add_argument("--prefix-len", type=int, default=512, metavar="P",
@@ -95,7 +98,7 @@ def _config(args: argparse.Namespace) -> BenchmarkConfig:
         show_progress=not args.no_progress, workload=args.workload,
         conversations=args.conversations, turns=args.turns,
         system_prompt_len=args.system_prompt_len, groups=args.groups,
-        prefix_len=args.prefix_len)
+        prefix_len=args.prefix_len, think_time_s=args.think_time)
 
 
 def _parse_rates(text: str) -> list[float]:

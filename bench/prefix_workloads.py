@@ -3,7 +3,8 @@
 * multi-turn chat (`--workload chat`): C conversations of T turns, each with its own system
   prompt of S tokens; every turn sends the conversation's history (system prompt, earlier user
   messages and the model's real replies) plus a new user message. A conversation sends its
-  next turn only after its previous one finished, so C conversations make concurrency C.
+  next turn only after its previous one finished (and, with a think time, after a pause), so
+  C conversations make concurrency C at most.
 * shared prefix (`--workload shared-prefix`): G groups, each with its own prefix of P tokens;
   every request is a random group's prefix plus a random suffix.
 
@@ -47,9 +48,10 @@ class _TokenSource:
             raise ValueError(f"vocab_size {vocab_size} leaves no token for a prompt")
         self.rng = np.random.default_rng(seed)
 
-    def tokens(self, num_tokens: int) -> list[int]:
-        return [int(t) for t in self.allowed[self.rng.integers(0, len(self.allowed),
-                                                               size=num_tokens)]]
+    def tokens(self, num_tokens: int, rng: np.random.Generator | None = None) -> list[int]:
+        rng = self.rng if rng is None else rng
+        return [int(t) for t in self.allowed[rng.integers(0, len(self.allowed),
+                                                          size=num_tokens)]]
 
 
 def shared_prefix_workload(num_groups: int, prefix_len: int, suffix_len: LengthDist,
@@ -77,7 +79,9 @@ def shared_prefix_workload(num_groups: int, prefix_len: int, suffix_len: LengthD
 
 
 class _Conversation:
-    def __init__(self, system_prompt: list[int], num_turns: int) -> None:
+    def __init__(self, system_prompt: list[int], num_turns: int,
+                 rng: np.random.Generator) -> None:
+        self.rng = rng  # its own: its turns are the same whatever the timing of the others
         self.history = list(system_prompt)
         self.num_turns_left = num_turns
         self.num_reusable = 0  # tokens whose KV the previous turn computed (0 before it)
@@ -97,8 +101,9 @@ class ConversationLoad(LoadGenerator):
                                    config.seed)
         self.max_model_len = model_info["max_model_len"]
         self.conversations = [_Conversation(self.source.tokens(config.system_prompt_len),
-                                            config.turns)
-                              for _ in range(config.conversations)]
+                                            config.turns,
+                                            np.random.default_rng([config.seed, index]))
+                              for index in range(config.conversations)]
         self.progress.total = config.conversations * config.turns
 
     async def run(self):
@@ -117,9 +122,12 @@ class ConversationLoad(LoadGenerator):
     async def _converse(self, conversation: _Conversation) -> None:
         config = self.config
         while conversation.num_turns_left > 0 and self._can_issue():
+            if conversation.num_reusable and config.think_time_s > 0:
+                await asyncio.sleep(conversation.rng.exponential(config.think_time_s))
             conversation.num_turns_left -= 1
-            user = self.source.tokens(config.input_dist.sample(self.source.rng))
-            num_output = config.output_dist.sample(self.source.rng)
+            user = self.source.tokens(config.input_dist.sample(conversation.rng),
+                                      conversation.rng)
+            num_output = config.output_dist.sample(conversation.rng)
             prompt = conversation.history + user
             if len(prompt) + num_output > self.max_model_len:
                 return  # the conversation outgrew the model: it ends here

@@ -70,6 +70,26 @@ def _samples(metrics_address: str) -> dict[str, float]:
     return sums
 
 
+WORKER_SERIES = ("tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_count",
+                 "tandem:prefix_cache_hits_total", "tandem:prefix_cache_queries_total")
+
+
+def _worker_samples(metrics: dict[str, str]) -> dict[str, float]:
+    """Sums per tier of the workers' KV transfer and prefix-cache counters."""
+    sums: dict[str, float] = {}
+    for name, address in metrics.items():
+        if name == "router":
+            continue
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in WORKER_SERIES:
+                    key = f"{sample.name}{{{sample.labels.get('tier', '')}}}"
+                    sums[key] = sums.get(key, 0.0) + sample.value
+    return sums
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants that are still running."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
@@ -101,7 +121,8 @@ def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict:
                         *args.bench_args], check=True)
         wall_s = time.monotonic() - started
         stats = json.loads(json_path.read_text())["stats"]
-        return {"policy": policy, "stats": stats, "routing": _samples(metrics["router"]),
+        return {"policy": policy, "stats": stats,
+                "routing": {**_samples(metrics["router"]), **_worker_samples(metrics)},
                 "stack_cpu_s": _cpu_seconds(up.pid) - cpu_before, "wall_s": wall_s}
     finally:
         os.killpg(up.pid, signal.SIGTERM)
@@ -136,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="python -m tandem.bench.routing_compare",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--both", type=int, default=3, help="aggregated workers (default 3)")
+    p.add_argument("--both", type=int, default=3,
+                   help="aggregated workers (default 3; 0 with --up-arg=--prefill ...)")
     p.add_argument("--policies", default="cache-aware,least-loaded")
     p.add_argument("--model", help="default: tandem up's default model")
     p.add_argument("--up-arg", dest="up_args", action="append", default=[],

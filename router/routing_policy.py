@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.common.block_hash import prefix_block_hashes
 from tandem.common.metrics import RouterMetrics
@@ -43,6 +43,9 @@ class RoutingNote:
 
     predicted_cached_tokens: int = 0
     reason: str = ""
+    # The prompt's block hashes by block size, computed once per request (every pick of a
+    # request, prefill and decode, reuses them).
+    prompt_hashes: dict[int, list[int]] = field(default_factory=dict)
 
 
 class RoutingPolicy:
@@ -81,7 +84,7 @@ class RoutingPolicy:
         loads = [_load(worker) for worker in candidates]
         if self.policy == "least-loaded" or not prompt_token_ids:
             return self._decided(self._lowest(candidates, loads), "least_loaded", 0, note)
-        cached = self.predicted_cached_tokens(candidates, prompt_token_ids)
+        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
         costs = [load - self.cache_weight * tokens / len(prompt_token_ids)
                  for load, tokens in zip(loads, cached)]
         chosen = self._lowest(candidates, costs)
@@ -95,8 +98,8 @@ class RoutingPolicy:
             reason = "load_override"  # a worker holding more of it was too busy
         return self._decided(chosen, reason, chosen_tokens, note)
 
-    def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int]
-                                ) -> list[int]:
+    def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
+                                note: RoutingNote | None = None) -> list[int]:
         """Per candidate: prompt tokens its prefix cache would serve (as the worker looks up:
         full blocks only, leaving at least one token to compute)."""
         cached = [0] * len(candidates)
@@ -106,8 +109,13 @@ class RoutingPolicy:
             if block_size:
                 by_block_size.setdefault(block_size, []).append(position)
         for block_size, positions in by_block_size.items():
-            hashes = prefix_block_hashes(prompt_token_ids, block_size,
-                                         max_blocks=(len(prompt_token_ids) - 1) // block_size)
+            hashes = note.prompt_hashes.get(block_size) if note is not None else None
+            if hashes is None:
+                hashes = prefix_block_hashes(
+                    prompt_token_ids, block_size,
+                    max_blocks=(len(prompt_token_ids) - 1) // block_size)
+                if note is not None:
+                    note.prompt_hashes[block_size] = hashes
             matched = self.index.matched_blocks(
                 hashes, [candidates[p].address for p in positions])
             for position in positions:

@@ -145,15 +145,17 @@ def test_uniform_random_prompts_spread_evenly(routers):
     assert max(counts) <= 1.5 * min(counts), counts
 
 
-def test_a_killed_worker_leaves_every_index(routers):
+def _decode_directly(address: str, request_id: str, token_ids: list[int]) -> None:
+    with grpc.insecure_channel(address) as channel:
+        list(worker_pb2_grpc.WorkerStub(channel).Decode(worker_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=token_ids, params=_params(2)), timeout=60))
+
+
+def test_a_killed_worker_leaves_every_index_and_its_restart_refills_them(routers):
     stack, router_a, router_b = routers
     victim = stack.workers["both-1"]
     rng = random.Random(4)
-    with grpc.insecure_channel(victim.address) as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        list(stub.Decode(worker_pb2.DecodeRequest(
-            request_id="before-kill", prompt_token_ids=prompt_of(rng, 33),
-            params=_params(2)), timeout=60))
+    _decode_directly(victim.address, "before-kill", prompt_of(rng, 33))
     for router in (router_a, router_b):
         wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
                                  worker=victim.address) >= 8, timeout=30)
@@ -162,3 +164,11 @@ def test_a_killed_worker_leaves_every_index(routers):
     for router in (router_a, router_b):
         wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
                                  worker=victim.address) == 0, timeout=30)
+    port = int(victim.address.rpartition(":")[2])
+    restarted = start("both-1-restarted", victim.popen.args[2:], port, victim.log_path.parent)
+    stack.workers["both-1"] = restarted  # the fixture stops it
+    wait_serving([restarted])
+    _decode_directly(restarted.address, "after-restart", prompt_of(rng, 33))
+    for router in (router_a, router_b):  # resubscribed: a fresh snapshot, then its blocks
+        wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
+                                 worker=restarted.address) >= 8, timeout=60)

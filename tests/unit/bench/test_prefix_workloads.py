@@ -64,7 +64,7 @@ def test_chat_resends_each_conversations_history_with_the_real_replies():
     with serve_generate(servicer) as address:
         result = run_benchmark(BenchmarkConfig(
             router=address, workload="chat", conversations=3, turns=4, system_prompt_len=40,
-            input_len="20", output_len="8"))
+            input_len="20", output_len="8", think_time_s=0.01))
     stats = result.stats
     assert stats["num_ok"] == 12
     by_system = {}
@@ -100,8 +100,18 @@ def test_shared_prefix_groups_share_their_prefix():
     (dict(workload="nope"), "workload"),
     (dict(workload="chat", concurrency=4), "conversations"),
     (dict(workload="chat", turns=0), "turns"),
+    (dict(workload="chat", think_time_s=-1), "think_time_s"),
     (dict(workload="shared-prefix", prompts_file="x.jsonl"), "prompts file"),
 ])
 def test_bad_workload_settings_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         BenchmarkConfig(**fields)
+
+
+def test_routing_overhead_microbenchmark_runs(capsys):
+    from tandem.bench.routing_overhead import main
+
+    assert main(["--workers", "3", "--blocks", "300", "--prompt-len", "64", "--block-size",
+                 "4", "--requests", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "3 workers, " in out and "match + score" in out and "p99" in out

@@ -70,3 +70,15 @@ def test_a_duplicate_block_is_not_stored_twice():
         seq.num_computed_tokens = seq.num_tokens
         bm.cache_computed_blocks(seq)
     assert recorder.events == [("stored", a.block_hashes[0])]
+
+
+def test_prefix_hashes_equal_the_one_block_hash_chained_at_every_block_size():
+    token_ids = [(i * 7919) % 50_000 for i in range(300)]
+    for block_size in (1, 4, 16, 32):
+        expected, prev_hash = [], None
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            prev_hash = compute_block_hash(prev_hash, token_ids[start:start + block_size])
+            expected.append(prev_hash)
+        assert prefix_block_hashes(token_ids, block_size) == expected
+        assert prefix_block_hashes(token_ids, block_size, max_blocks=5) == expected[:5]
+        assert prefix_block_hashes(token_ids, block_size, max_blocks=0) == []
