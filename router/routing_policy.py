@@ -6,8 +6,8 @@ cache-aware scores each candidate worker by
     cost = load - cache_weight * hit
 
 where `load` is the requests this router has on the worker plus those waiting in its queue
-(from its last GetLoad), plus its KV usage (a fraction, so it only breaks ties between equal
-counts), and `hit` is the fraction of the prompt's tokens the worker would serve from its
+(from its last GetLoad), plus its KV pressure (KV usage above half, up to one request at
+full), and `hit` is the fraction of the prompt's tokens the worker would serve from its
 prefix cache, predicted from the router's KVIndex with the workers' own chained block hash. The
 lowest cost wins; equal costs take turns (so idle workers share uniform traffic evenly).
 
@@ -144,7 +144,11 @@ class RoutingPolicy:
 
 
 def _load(worker) -> float:
-    return worker.num_in_flight + worker.load.num_waiting + worker.load.kv_usage
+    """Requests in flight (this router's live count) and waiting (the last GetLoad), plus the
+    KV pressure: KV usage above half counts up to one more request at full. Usage below half
+    (a stale reading, often) counts nothing, so idle workers tie and take turns."""
+    kv_pressure = max(0.0, worker.load.kv_usage - 0.5) * 2
+    return worker.num_in_flight + worker.load.num_waiting + kv_pressure
 
 
 def add_routing_flags(parser) -> None:

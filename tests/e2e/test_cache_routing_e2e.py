@@ -136,7 +136,7 @@ def test_uniform_random_prompts_spread_evenly(routers):
     rng = random.Random(3)
     prompts = [prompt_of(rng, 24) for _ in range(30)]
     before = decisions(router_a, workers)
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(10) as pool:
         list(pool.map(lambda p: generate(router_a.address, request(p, max_tokens=2)),
                       prompts))
     after = decisions(router_a, workers)

@@ -97,6 +97,14 @@ def test_equal_workers_take_turns(name):
     assert sorted(picks.count(a) for a in "abc") == [10, 10, 10]
 
 
+def test_kv_usage_counts_only_above_half():
+    policy = RoutingPolicy("least-loaded")
+    low, high, other = Worker("low"), Worker("high"), Worker("other")
+    low.load.kv_usage, high.load.kv_usage = 0.3, 0.95
+    picks = [policy.pick([low, high, other]).address for _ in range(4)]
+    assert sorted(picks) == ["low", "low", "other", "other"]
+
+
 def test_least_loaded_ignores_the_cache():
     policy = RoutingPolicy("least-loaded")
     holder, other = Worker("holder", num_in_flight=1), Worker("other")
