@@ -136,8 +136,10 @@ def test_uniform_random_prompts_spread_evenly(routers):
     rng = random.Random(3)
     prompts = [prompt_of(rng, 24) for _ in range(30)]
     before = decisions(router_a, workers)
-    with ThreadPoolExecutor(10) as pool:
-        list(pool.map(lambda p: generate(router_a.address, request(p, max_tokens=2)),
+    # All at once: each pick sees the others in flight (closed-loop traffic would instead
+    # favour whichever worker the shared CPU happens to run fastest).
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: generate(router_a.address, request(p, max_tokens=16)),
                       prompts))
     after = decisions(router_a, workers)
     counts = [after[a] - before[a] for a in after]
