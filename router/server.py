@@ -25,9 +25,9 @@ from tandem.router.ejection import HealthPolicy
 from tandem.router.http_server import HTTPServer, TLSPaths
 from tandem.router.openai_api import create_app
 from tandem.router.request_flow import StallLimits
+from tandem.router.routing_policy import RoutingPolicy, add_routing_flags
 from tandem.router.servicer import GenerateServicer, add_generate_service
 from tandem.router.tokenization import ModelFrontend
-from tandem.router.routing_policy import RoutingPolicy, add_routing_flags
 from tandem.router.worker_pool import WorkerPool
 from tandem.v1 import generate_pb2
 
