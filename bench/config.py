@@ -8,6 +8,7 @@ from tandem.bench.workload import LengthDist
 
 __all__ = ["BenchmarkConfig"]
 DEFAULT_NUM_REQUESTS = 100
+WORKLOADS = ("random", "chat", "shared-prefix")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,12 @@ class BenchmarkConfig:
     Lengths are LengthDist strings ("32", "uniform:16:64", "normal:128:32").
     With `http` (the router's HTTP API, http(s)://host:port) the load goes there, as streamed
     OpenAI completions, instead of to `router` over gRPC.
+    `workload` (bench/prefix_workloads.py): "random" (the above), "chat" (`conversations`
+    conversations of `turns` turns with `system_prompt_len`-token system prompts; input_len is
+    each user message, concurrency is the number of conversations; a conversation pauses
+    `think_time_s` on average, exponentially distributed, between a reply and its next turn)
+    or "shared-prefix" (`groups` prefixes of `prefix_len` tokens; input_len is each request's
+    suffix).
     """
     router: str = "127.0.0.1:50051"
     http: str | None = None
@@ -41,9 +48,30 @@ class BenchmarkConfig:
     timeout_s: float | None = None
     show_progress: bool = False
     processes: int = 1  # load-generator processes the requests are spread over
-
+    workload: str = "random"
+    conversations: int = 12
+    turns: int = 6
+    system_prompt_len: int = 256
+    groups: int = 4
+    prefix_len: int = 512
+    think_time_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload: {self.workload!r} is not one of {', '.join(WORKLOADS)}")
+        if self.workload != "random" and self.prompts_file is not None:
+            raise ValueError(f"workload {self.workload}: its prompts are synthetic; "
+                             "drop the prompts file")
+        if self.workload == "chat" and self.processes > 1:
+            raise ValueError("workload chat: each conversation waits for its own replies in "
+                             "one process; drop --processes")
+        if self.workload == "chat" and (self.rate is not None or self.concurrency is not None):
+            raise ValueError("workload chat: its concurrency is --conversations; "
+                             "drop --concurrency/--rate")
+        _check_positive(self, "conversations", "turns", "system_prompt_len", "groups",
+                        "prefix_len")
+        if not self.think_time_s >= 0:
+            raise ValueError(f"think_time_s: must be >= 0, not {self.think_time_s}")
         if self.concurrency is not None and self.rate is not None:
             raise ValueError("concurrency/rate: give one of them, not both")
         _check_positive(self, "concurrency", "rate", "num_requests", "duration_s",
@@ -92,6 +120,9 @@ class BenchmarkConfig:
 
     def load_shape(self) -> str:
         """E.g. "concurrency 4" or "Poisson 2.5 req/s"."""
+        if self.workload == "chat":
+            return (f"chat: {self.conversations} conversations x {self.turns} turns, "
+                    f"{self.system_prompt_len}-token system prompts")
         return f"Poisson {self.rate:g} req/s" if self.is_open_loop \
             else f"concurrency {self.max_in_flight}"
 

@@ -136,7 +136,8 @@ class LoadGenerator:
         config = self.config
         record = RequestRecord(index=index, start_s=time.perf_counter(),
                                is_warmup=index < config.warmup, max_tokens=spec.max_tokens,
-                               num_prompt_tokens=spec.num_prompt_tokens)
+                               num_prompt_tokens=spec.num_prompt_tokens,
+                               ideal_cached_tokens=spec.ideal_cached_tokens)
         prompt = list(spec.token_ids) if spec.token_ids is not None else spec.text
         messages = list(spec.messages) if spec.messages is not None else None
         seed = (config.seed + index) % 2**64 if config.temperature > 0 else None
@@ -153,6 +154,9 @@ class LoadGenerator:
             record.finish_reason = stream.result.finish_reason
             record.num_prompt_tokens = stream.result.usage["prompt_tokens"]
             record.router_timings = stream.result.timings
+            record.num_cached_prompt_tokens = stream.result.usage.get("cached_prompt_tokens")
+            if spec.on_done is not None:
+                spec.on_done(stream.result.token_ids)
         except grpc.RpcError as exc:
             record.error_code, record.error_message = exc.code().name, exc.details() or ""
         except RuntimeError as exc:  # the stream ended without its Complete message

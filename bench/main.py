@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.bench.config import DEFAULT_NUM_REQUESTS, BenchmarkConfig
+from tandem.bench.config import DEFAULT_NUM_REQUESTS, WORKLOADS, BenchmarkConfig
 from tandem.bench.report import format_sweep_table
 from tandem.bench.runner import (BenchmarkError, BenchmarkInterrupted, BenchmarkResult,
                                  run_benchmark, run_sweep, sweep_to_json)
@@ -68,8 +68,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spread the requests over N load-generator processes, so the generator "
                         "is not the bottleneck (its CPU share is in the report; with N > 1 "
                         "there is no progress line)")
+    _add_workload_flags(p)
     add_client_flags(p)
     return p
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    shared = p.add_argument_group("shared-prefix workloads (the report shows the prefix cache "
+                                  "hit rate: cached / prompt tokens, and against the ideal)")
+    shared.add_argument("--workload", choices=WORKLOADS, default="random",
+                        help="random prompts (default); chat: multi-turn conversations "
+                             "re-sending their history; shared-prefix: groups of prompts "
+                             "sharing a long prefix")
+    shared.add_argument("--conversations", type=int, default=12, metavar="C",
+                        help="chat: concurrent conversations (default 12)")
+    shared.add_argument("--turns", type=int, default=6, metavar="T",
+                        help="chat: turns per conversation (default 6)")
+    shared.add_argument("--system-prompt-len", type=int, default=256, metavar="S",
+                        help="chat: tokens of each conversation's system prompt (default 256); "
+                             "--input-len is each user message")
+    shared.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
+                        help="chat: mean pause between a reply and the next turn "
+                             "(exponential; default 0: the next turn follows at once)")
+    shared.add_argument("--groups", type=int, default=4, metavar="G",
+                        help="shared-prefix: prompt groups (default 4)")
+    shared.add_argument("--prefix-len", type=int, default=512, metavar="P",
+                        help="shared-prefix: tokens of each group's prefix (default 512); "
+                             "--input-len is each request's suffix")
 
 
 def _config(args: argparse.Namespace) -> BenchmarkConfig:
@@ -79,7 +104,11 @@ def _config(args: argparse.Namespace) -> BenchmarkConfig:
         input_len=args.input_len, output_len=args.output_len, prompts_file=args.prompts_file,
         allow_early_stop=args.allow_early_stop, temperature=args.temperature, seed=args.seed,
         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, timeout_s=args.timeout,
-        show_progress=not args.no_progress, processes=args.processes)
+        show_progress=not args.no_progress, processes=args.processes,
+        workload=args.workload,
+        conversations=args.conversations, turns=args.turns,
+        system_prompt_len=args.system_prompt_len, groups=args.groups,
+        prefix_len=args.prefix_len, think_time_s=args.think_time)
 
 
 def _parse_rates(text: str) -> list[float]:

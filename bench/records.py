@@ -30,6 +30,8 @@ class RequestRecord:
     error_code: str | None = None
     error_message: str = ""
     router_timings: dict[str, float] = field(default_factory=dict)
+    num_cached_prompt_tokens: int | None = None  # served from the worker's prefix cache
+    ideal_cached_tokens: int | None = None  # what one worker with enough cache would reuse
 
     def add_chunk(self, arrival_s: float, num_tokens: int) -> None:
         if num_tokens > 0:
@@ -88,6 +90,8 @@ class RequestRecord:
             "prompt_tokens": self.num_prompt_tokens, "output_tokens": self.num_output_tokens,
             "num_chunks": len(self.chunk_times_s), "start_s": self.start_s - origin_s,
             "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s,
+            "cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "ideal_cached_tokens": self.ideal_cached_tokens,
             "router_queue_s": self.router_timings.get("queue_seconds"),
             "router_ttft_s": self.router_timings.get("time_to_first_token_seconds"),
         }

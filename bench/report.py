@@ -67,6 +67,8 @@ def compute_stats(records: Sequence[RequestRecord], *, slo_ttft_s: float | None 
         return amount / duration_s if duration_s > 0 else None
 
     num_prompt_tokens = sum(r.num_prompt_tokens or 0 for r in ok)
+    num_cached_tokens = sum(r.num_cached_prompt_tokens or 0 for r in ok)
+    ideals = [r.ideal_cached_tokens for r in ok if r.ideal_cached_tokens is not None]
     num_output_tokens = sum(r.num_output_tokens for r in ok)
     goodput = None
     if slo_ttft_s is not None or slo_tpot_s is not None:
@@ -79,6 +81,10 @@ def compute_stats(records: Sequence[RequestRecord], *, slo_ttft_s: float | None 
         "errors": dict(sorted(Counter(r.error_code for r in measured if not r.is_ok).items())),
         "duration_s": duration_s,
         "total_prompt_tokens": num_prompt_tokens, "total_output_tokens": num_output_tokens,
+        "total_cached_prompt_tokens": num_cached_tokens,
+        "prefix_cache_hit_rate": num_cached_tokens / num_prompt_tokens if num_prompt_tokens
+        else None,
+        "ideal_cached_prompt_tokens": sum(ideals) if ideals else None,
         "request_throughput": per_second(len(ok)),
         "output_token_throughput": per_second(num_output_tokens),
         "total_token_throughput": per_second(num_prompt_tokens + num_output_tokens),
@@ -104,6 +110,19 @@ def _goodput_line(stats: dict) -> str:
             f"{stats['num_ok']} met {', '.join(slos)})")
 
 
+def _hit_rate_line(stats: dict) -> str:
+    """Cached / prompt tokens, and the cached tokens against the workload's ideal."""
+    rate = stats.get("prefix_cache_hit_rate")
+    if rate is None:
+        return "n/a"
+    line = (f"{rate * 100:.1f}% ({stats['total_cached_prompt_tokens']}/"
+            f"{stats['total_prompt_tokens']} prompt tokens cached")
+    ideal = stats.get("ideal_cached_prompt_tokens")
+    if ideal:
+        line += f"; {stats['total_cached_prompt_tokens'] / ideal:.2f}x ideal {ideal}"
+    return line + ")"
+
+
 def format_table(stats: dict, *, router: str, load: str, model: str = "") -> str:
     """The summary of one run, fixed width, latencies in milliseconds."""
     errors = ", ".join(f"{code} {count}" for code, count in stats["errors"].items()) or "none"
@@ -118,6 +137,7 @@ def format_table(stats: dict, *, router: str, load: str, model: str = "") -> str
         ("Output token throughput", _num(stats["output_token_throughput"], " tok/s", digits=1)),
         ("Total token throughput", _num(stats["total_token_throughput"], " tok/s", digits=1)),
         ("Goodput", _goodput_line(stats)),
+        ("Prefix cache hit rate", _hit_rate_line(stats)),
     ]
     if "generator" in stats:  # the load generator's own CPU: near 1 core per process, it limits
         generator = stats["generator"]

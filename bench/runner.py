@@ -25,6 +25,7 @@ import grpc
 
 from tandem.bench.config import BenchmarkConfig
 from tandem.bench.loadgen import LoadGenerator
+from tandem.bench.prefix_workloads import ConversationLoad, shared_prefix_workload
 from tandem.bench.records import RequestRecord
 from tandem.bench.report import compute_stats, format_table
 from tandem.bench.spread import spread_records
@@ -93,7 +94,8 @@ async def async_run_benchmark(config: BenchmarkConfig,
             if interrupted:
                 raise BenchmarkInterrupted([result])
             return result
-        generator = LoadGenerator(client, config, _workload(config, model_info, prompts))
+        generator = (ConversationLoad(client, config, model_info) if config.workload == "chat"
+                     else LoadGenerator(client, config, _workload(config, model_info, prompts)))
         try:
             records = await generator.run()
         except asyncio.CancelledError:
@@ -172,6 +174,12 @@ def _workload(config: BenchmarkConfig, model_info: dict,
               prompts: list[FilePrompt] | None) -> Iterator[RequestSpec]:
     if prompts is not None:
         return file_workload(prompts, config.output_dist, seed=config.seed)
+    if config.workload == "shared-prefix":
+        return shared_prefix_workload(config.groups, config.prefix_len, config.input_dist,
+                                      config.output_dist, vocab_size=model_info["vocab_size"],
+                                      eos_token_ids=model_info["eos_token_ids"],
+                                      max_model_len=model_info["max_model_len"],
+                                      seed=config.seed)
     return synthetic_workload(config.input_dist, config.output_dist,
                               vocab_size=model_info["vocab_size"],
                               eos_token_ids=model_info["eos_token_ids"],

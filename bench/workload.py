@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,11 +67,16 @@ class LengthDist:
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request to send: exactly one of `token_ids`, `text` and `messages` is set."""
+    """One request to send: exactly one of `token_ids`, `text` and `messages` is set.
+    `ideal_cached_tokens`: prompt tokens one worker with enough cache would reuse (workloads
+    with shared prefixes know it); `on_done(output_token_ids)` runs after a successful request
+    (a conversation appends the reply to its history)."""
     max_tokens: int
     token_ids: tuple[int, ...] | None = None
     text: str | None = None
     messages: tuple[dict, ...] | None = None
+    ideal_cached_tokens: int | None = None
+    on_done: Callable[[list[int]], None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int | None:

@@ -157,6 +157,25 @@ class RouterMetrics(_Metrics):
         self.worker_rejoins = self._counter(
             "tandem:worker_rejoins", "Ejected workers back in the routing pool after a good "
             "check.", ("worker", "role"))
+        self.routing_reasons = self._counter(
+            "tandem:routing_reasons",
+            "Routing decisions by reason: cache_hit (the worker holding most of the prompt), "
+            "load_override (a worker holding more was too busy), least_loaded (nobody holds "
+            "it, or --routing least-loaded), round_robin.", ("reason", "role"))
+        self.routing_predicted_cached_tokens = self._counter(
+            "tandem:routing_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen prefill (or both) worker to serve "
+            "from its prefix cache.")
+        self.routing_actual_cached_tokens = self._counter(
+            "tandem:routing_actual_cached_tokens",
+            "Prompt tokens the prefill (or both) worker served from its prefix cache "
+            "(Complete.usage.cached_prompt_tokens), for requests the policy predicted.")
+        self.kv_index_blocks = self._gauge(
+            "tandem:kv_index_blocks", "Prefix-cache blocks the router's index holds for a "
+            "worker (from its KV event stream).", ("worker", "role"))
+        self.kv_event_reconnects = self._counter(
+            "tandem:kv_event_reconnects", "KV event streams that broke or ended and were "
+            "subscribed again (from a fresh snapshot).", ("worker", "role"))
 
 
 class RouterSupervisorMetrics(_Metrics):

@@ -32,6 +32,7 @@ from tandem.common.metrics import RouterMetrics
 from tandem.common.sampling_params import SamplingParams
 from tandem.router.migration import Attempt, MigrationLog
 from tandem.router.output import OutputAssembler
+from tandem.router.routing_policy import RoutingNote
 from tandem.router.validation import RequestError
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 from tandem.v1 import generate_pb2, worker_pb2
@@ -105,6 +106,7 @@ class RequestFlow:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_cached_tokens = 0
+        self.routing_note = RoutingNote()  # the policy's prediction for the prompt worker
         self.prefill_queue_seconds = 0.0
         self.prefill_compute_seconds = 0.0
 
@@ -283,7 +285,9 @@ class RequestFlow:
         return [w for role in roles for w in self.pool.healthy(role) if w.address not in failed]
 
     def _pick(self, attempt: Attempt, *roles: str) -> WorkerEndpoint:
-        worker = self.pool.pick(*roles, exclude=self.migrations.failed_addresses)
+        worker = self.pool.pick(*roles, exclude=self.migrations.failed_addresses,
+                                prompt_token_ids=self.request.prompt_token_ids,
+                                note=self.routing_note)
         if worker is None:
             raise self._no_worker(f"no healthy {' or '.join(roles)} worker")
         attempt.workers.append(worker)
@@ -349,6 +353,8 @@ class RequestFlow:
             self.metrics.time_per_output_token.observe(tpot)
         self.metrics.e2e_latency.observe(now - arrival)
         self.metrics.requests_finished.labels(status=finish_reason or "unknown").inc()
+        if self.pool.policy is not None:
+            self.pool.policy.record_outcome(self.routing_note, self.num_cached_tokens)
         return generate_pb2.Complete(
             request_id=self.request.request_id,
             finish_reason=finish_reason_to_proto(finish_reason),

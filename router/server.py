@@ -26,6 +26,7 @@ from tandem.router.ejection import HealthPolicy
 from tandem.router.http_server import HTTPServer, TLSPaths
 from tandem.router.openai_api import DEFAULT_REQUEST_TIMEOUT_SECONDS, create_app
 from tandem.router.request_flow import StallLimits
+from tandem.router.routing_policy import RoutingPolicy, add_routing_flags
 from tandem.router.servicer import GenerateServicer, add_generate_service
 from tandem.router.supervisor import EXIT_MARGIN_SECONDS, Supervisor, default_num_processes
 from tandem.router.tokenization import ModelFrontend
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
+    add_routing_flags(p)
     return p
 
 
@@ -143,6 +145,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = RouterMetrics(frontend.limits.name)
     pool = WorkerPool(args.prefill, args.decode, args.both, health_policy, tls, metrics,
                       internal_token)
+    routing = RoutingPolicy(args.routing, args.cache_weight, metrics)
+    routing.attach(pool)
     await pool.start()
     servicer = GenerateServicer(frontend, pool,
                                 Admission(args.max_concurrency, args.max_queue), metrics, stall,
@@ -189,6 +193,7 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.gather(server.stop(args.shutdown_grace_seconds), http_server.stop())
     else:
         await server.stop(args.shutdown_grace_seconds)
+    await routing.close()
     await pool.close()
     frontend.close()
     logger.info("stopped")

@@ -71,6 +71,7 @@ class WorkerPool:
             raise ValueError("no workers given: pass --prefill and --decode, or --both")
         self.workers: list[WorkerEndpoint] = []
         self.on_added: list = []  # callbacks(worker), e.g. to export its health gauge
+        self.policy = None  # a routing_policy.RoutingPolicy; None: least loaded
         self._task: asyncio.Task | None = None
         self._checks: dict[WorkerEndpoint, asyncio.Task] = {}  # the check running per worker
 
@@ -138,10 +139,13 @@ class WorkerPool:
     def healthy(self, role: str) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role == role and w.is_healthy]
 
-    def pick(self, *roles: str, exclude: Collection[str] = ()) -> WorkerEndpoint | None:
-        """The least loaded healthy worker of these roles whose address is not in `exclude`
-        (load-aware; prefix affinity comes later)."""
+    def pick(self, *roles: str, exclude: Collection[str] = (), prompt_token_ids=(),
+             note=None) -> WorkerEndpoint | None:
+        """A healthy worker of these roles whose address is not in `exclude`, as the routing
+        policy chooses (router/routing_policy.py); without one, the least loaded."""
         candidates = [w for role in roles for w in self.healthy(role) if w.address not in exclude]
+        if self.policy is not None:
+            return self.policy.pick(candidates, prompt_token_ids, note)
         return min(candidates, key=lambda w: w.score) if candidates else None
 
     def mark_failed(self, worker: WorkerEndpoint, reason: str, cause: str = "request") -> None:

@@ -33,7 +33,7 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--load-format", str), ("--max-step-stall-seconds", float),
                 ("--kv-pull-failure", str)]
 ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int),
-                ("--migration-limit", int)]
+                ("--migration-limit", int), ("--routing", str), ("--cache-weight", float)]
 # `tandem up` security flags: TLS goes to every process, the public token to the router.
 TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
              ("--tls-server-name", str)]

@@ -241,12 +241,13 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         logger.warning("no --internal-token-file and no TLS: any client that reaches %s can "
                        "call Worker and KVTransfer", address)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(async_engine, args.role, model_name, address, layout, peers, blocks,
-                       metrics, kv_receiver=receiver, kv_transports=transports,
-                       cuda_ipc_endpoint=exporter.endpoint if exporter else None,
-                       nixl_endpoint=nixl_agent.endpoint if nixl_agent else None,
-                       kv_pull_failure=args.kv_pull_failure), server)
+    worker_servicer = WorkerServicer(
+        async_engine, args.role, model_name, address, layout, peers, blocks, metrics,
+        kv_receiver=receiver, kv_transports=transports,
+        cuda_ipc_endpoint=exporter.endpoint if exporter else None,
+        nixl_endpoint=nixl_agent.endpoint if nixl_agent else None,
+        kv_pull_failure=args.kv_pull_failure)
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker_servicer, server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
         KVTransferServicer(async_engine, layout, blocks, exporter, nixl_agent), server)
     health_servicer = health.aio.HealthServicer()
@@ -280,6 +281,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await engine_watch.stop()
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(args.drain_delay_seconds)
+    worker_servicer.kv_events.close()  # KV event streams never end on their own
     await server.stop(args.shutdown_grace_seconds)
     await peers.close()
     if nixl_agent is not None:

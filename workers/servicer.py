@@ -28,6 +28,7 @@ from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
+from tandem.workers.kv_events import KVEventPublisher
 
 logger = get_logger(__name__)
 ROLES = ("prefill", "decode", "both")
@@ -86,6 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_pull_failure = kv_pull_failure
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
+        self.kv_events = KVEventPublisher(engine)
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -167,6 +169,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=len(engine.scheduler.waiting), kv_usage=manager.usage,
             num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
             model=self.model_name)
+
+    async def SubscribeKVEvents(self, request, context):
+        async for message in self.kv_events.subscribe(context):
+            yield message
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -282,6 +282,34 @@ def overview_grid() -> Grid:
     g.add(timeseries("Routing decisions", "Requests sent to each worker per second.",
                      [(f"sum by (role, worker) (rate(tandem:routing_decisions_total{health}"
                        f"[{RATE}]))", "{{role}} {{worker}}")], "reqps"), w=9)
+
+    g.row("Cache-aware routing (router's view)")
+    g.add(timeseries(
+        "Routing decisions by reason", "cache_hit: the worker holding most of the prompt; "
+        "load_override: a worker holding more was too busy; least_loaded: nobody held it (or "
+        "--routing least-loaded); round_robin.",
+        [(f"sum by (role, reason) (rate(tandem:routing_reasons_total{health}[{RATE}]))",
+          "{{role}} {{reason}}")], "reqps", stack=True), w=6)
+    g.add(timeseries(
+        "Cached prompt tokens: predicted vs actual", "Per second, for the prompt tier "
+        "(prefill or both): what the router's index predicted, and what the workers served "
+        "from cache.",
+        [(f"sum(rate(tandem:routing_predicted_cached_tokens_total{health}[{RATE}]))",
+          "predicted"),
+         (f"sum(rate(tandem:routing_actual_cached_tokens_total{health}[{RATE}]))",
+          "actual")]), w=6)
+    g.add(timeseries(
+        "Routed prefix-cache hit rate", "Prompt tokens the prompt tier served from cache "
+        "over prompt tokens the router sent.",
+        [(f"sum(rate(tandem:routing_actual_cached_tokens_total{health}[{RATE}])) / "
+          f"sum(rate(tandem:prompt_tokens_total{health}[{RATE}]))", "hit rate")],
+        "percentunit", max_value=1), w=6)
+    g.add(timeseries(
+        "KV index", "Blocks the router's index holds per worker (from its KV event stream), "
+        "and event streams resubscribed per second (a fresh snapshot each).",
+        [(f"max by (role, worker) (tandem:kv_index_blocks{health})", "{{role}} {{worker}}"),
+         (f"sum by (worker) (rate(tandem:kv_event_reconnects_total{health}[{RATE}]))",
+          "resubscribed {{worker}}")]), w=6)
     return g
 
 

@@ -183,6 +183,24 @@ class GetLoadResponse(_message.Message):
     model: str
     def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
+class SubscribeKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SubscribeKVEventsResponse(_message.Message):
+    __slots__ = ("is_snapshot", "block_size", "stored_hashes", "evicted_hashes", "cleared")
+    IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    is_snapshot: bool
+    block_size: int
+    stored_hashes: _containers.RepeatedScalarFieldContainer[int]
+    evicted_hashes: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    def __init__(self, is_snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., stored_hashes: _Optional[_Iterable[int]] = ..., evicted_hashes: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
     __slots__ = ("handle_id", "start_block", "expected_layout")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/tandem.v1.Worker/SubscribeKVEvents',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -93,6 +98,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """Streams which prefix-cache blocks this worker holds, for cache-aware routing: first a
+        snapshot of every block hash it holds, then changes as they happen. The stream ends when
+        the worker shuts down; a subscriber that falls far behind gets RESOURCE_EXHAUSTED. Either
+        way the subscriber starts again from a fresh snapshot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +130,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +247,33 @@ class Worker:
             '/tandem.v1.Worker/GetLoad',
             tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Worker/SubscribeKVEvents',
+            tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

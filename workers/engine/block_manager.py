@@ -1,26 +1,11 @@
 """Paged KV-cache block accounting with prefix caching. Plain Python: no torch, no I/O."""
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable
-from collections.abc import Sequence as SequenceABC
 
+from tandem.common.block_hash import compute_block_hash
 from tandem.workers.engine.sequence import Sequence
-
-
-def compute_block_hash(prev_hash: int | None, token_ids: SequenceABC[int]) -> int:
-    """Chained hash of one full block: depends on the block's tokens and on every block before it.
-
-    Stable across processes and machines (blake2b over a fixed little-endian encoding), unlike
-    Python's salted hash(). prev_hash is None for a sequence's first block.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    # A one-byte tag keeps "no parent" distinct from a parent whose hash happens to be 0.
-    h.update(b"\x00" if prev_hash is None else b"\x01" + prev_hash.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little")
 
 
 class Block:
@@ -68,6 +53,9 @@ class BlockManager:
         # taken from the front, freed blocks go to the back, a prefix hit removes from anywhere.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        # Told of every hash that enters or leaves hash_to_block_id, on the engine thread:
+        # stored(hash), evicted(hash) (workers/kv_events.py publishes them). None: nobody is.
+        self.cache_listener = None
         # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -137,7 +125,10 @@ class BlockManager:
             block.hash, block.token_ids = block_hash, token_ids
             seq.block_hashes.append(block_hash)
             # Another sequence may have computed the same block in this step: keep its entry.
-            self.hash_to_block_id.setdefault(block_hash, block.block_id)
+            if block_hash not in self.hash_to_block_id:
+                self.hash_to_block_id[block_hash] = block.block_id
+                if self.cache_listener is not None:
+                    self.cache_listener.stored(block_hash)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. The one free path: finish, preempt and abort call it."""
@@ -198,6 +189,8 @@ class BlockManager:
             # The map may point at a duplicate holding the same contents; leave that entry alone.
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
+                if self.cache_listener is not None:
+                    self.cache_listener.evicted(block.hash)
             block.hash = block.token_ids = None
         block.ref_count = 1
         return block_id

@@ -285,6 +285,18 @@ def test_up_passes_router_processes_to_the_router_which_accepts_them(tmp_path, c
     assert "--router-processes 0 must be at least 1" in capsys.readouterr().err
 
 
+def test_up_passes_the_routing_flags_to_the_router():
+    from tandem.router.server import build_parser as router_parser
+
+    args = cli.build_parser().parse_args(["up", "--routing", "least-loaded",
+                                          "--cache-weight", "2.5"])
+    flags = cli._passed_flags(args, cli.ROUTER_FLAGS)
+    assert flags == ["--routing", "least-loaded", "--cache-weight", "2.5"]
+    router = router_parser().parse_args(["--model", "/m", *flags])
+    assert (router.routing, router.cache_weight) == ("least-loaded", 2.5)
+    assert router_parser().parse_args(["--model", "/m"]).routing == "cache-aware"
+
+
 def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_fractions(
         tmp_path, capsys):
     from tandem.workers.server import build_parser, engine_config

@@ -187,6 +187,10 @@ def test_reliability_flags_only_when_set(rendered):
         (router,) = of_kind(docs, "Deployment")
         assert flag_value(main_container(router)["args"], "--migration-limit") == (
             "1" if tp2 else None), name
+        assert flag_value(main_container(router)["args"], "--routing") == (
+            "least-loaded" if tp2 else None), name
+        assert flag_value(main_container(router)["args"], "--cache-weight") == (
+            "4" if tp2 else None), name
         for sts in of_kind(docs, "StatefulSet"):
             args = main_container(sts)["args"]
             is_set = tp2 and flag_value(args, "--role") == "decode"

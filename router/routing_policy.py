@@ -1,0 +1,161 @@
+"""Which worker gets a request: `--routing cache-aware` (default), `least-loaded` or
+`round-robin`.
+
+cache-aware scores each candidate worker by
+
+    cost = load - cache_weight * hit
+
+where `load` is the requests this router has on the worker plus those waiting in its queue
+(from its last GetLoad), plus its KV pressure (KV usage above half, up to one request at
+full), and `hit` is the fraction of the prompt's tokens the worker would serve from its
+prefix cache, predicted from the router's KVIndex with the workers' own chained block hash. The
+lowest cost wins; equal costs take turns (so idle workers share uniform traffic evenly).
+
+The load margin: a worker that holds the whole prompt is preferred over one that holds none of
+it only while it has fewer than `cache_weight` more requests (running or waiting) than that
+one; a hot prefix therefore never pins all traffic on one worker: once it is `cache_weight`
+requests busier than another, the other gets the prefix's requests and soon its blocks too.
+The default, 8 requests, keeps closed-loop conversations on their worker under a fair spread
+and hands a prefix over once a worker's queue runs ahead by about 8 requests.
+
+Prefill and aggregated (both) workers are scored by the prompt's prefix (what they would not
+recompute); decode workers too, since the blocks a decode worker holds are not pulled.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.common.block_hash import prefix_block_hashes
+from tandem.common.metrics import RouterMetrics
+from tandem.router.kv_index import KVEventFeed, KVIndex
+
+ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
+DEFAULT_CACHE_WEIGHT = 8.0
+# Tiers whose cached prompt tokens Complete.usage.cached_prompt_tokens reports.
+_PROMPT_TIERS = ("prefill", "both")
+
+
+@dataclass
+class RoutingNote:
+    """What the policy predicted for a request's prompt tier (prefill or both worker)."""
+
+    predicted_cached_tokens: int = 0
+    reason: str = ""
+    # The prompt's block hashes by block size, computed once per request (every pick of a
+    # request, prefill and decode, reuses them).
+    prompt_hashes: dict[int, list[int]] = field(default_factory=dict)
+
+
+class RoutingPolicy:
+    def __init__(self, policy: str = "cache-aware", cache_weight: float = DEFAULT_CACHE_WEIGHT,
+                 metrics: RouterMetrics | None = None) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy {policy!r} is not one of "
+                             f"{', '.join(ROUTING_POLICIES)}")
+        if not cache_weight >= 0:
+            raise ValueError(f"cache_weight must be >= 0, got {cache_weight}")
+        self.policy = policy
+        self.cache_weight = cache_weight
+        self.metrics = metrics
+        self.index = KVIndex()
+        self.feed = KVEventFeed(self.index, metrics)
+        self._turn = itertools.count()
+
+    def attach(self, pool) -> None:
+        """Routes the pool's picks; cache-aware follows every worker's KV events. Call before
+        pool.start()."""
+        pool.policy = self
+        if self.policy == "cache-aware":
+            pool.on_added.append(self.feed.follow)
+
+    async def close(self) -> None:
+        await self.feed.close()
+
+    def pick(self, candidates: list, prompt_token_ids: Sequence[int] = (),
+             note: RoutingNote | None = None):
+        """The worker for a request among healthy `candidates` (WorkerEndpoints)."""
+        if not candidates:
+            return None
+        if self.policy == "round-robin":
+            return self._decided(candidates[next(self._turn) % len(candidates)], "round_robin",
+                                 0, note)
+        loads = [_load(worker) for worker in candidates]
+        if self.policy == "least-loaded" or not prompt_token_ids:
+            return self._decided(self._lowest(candidates, loads), "least_loaded", 0, note)
+        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
+        costs = [load - self.cache_weight * tokens / len(prompt_token_ids)
+                 for load, tokens in zip(loads, cached)]
+        chosen = self._lowest(candidates, costs)
+        chosen_tokens = cached[candidates.index(chosen)]
+        most = max(cached)
+        if most == 0:
+            reason = "least_loaded"  # nobody holds the prefix
+        elif chosen_tokens == most:
+            reason = "cache_hit"
+        else:
+            reason = "load_override"  # a worker holding more of it was too busy
+        return self._decided(chosen, reason, chosen_tokens, note)
+
+    def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
+                                note: RoutingNote | None = None) -> list[int]:
+        """Per candidate: prompt tokens its prefix cache would serve (as the worker looks up:
+        full blocks only, leaving at least one token to compute)."""
+        cached = [0] * len(candidates)
+        by_block_size: dict[int, list[int]] = {}
+        for position, worker in enumerate(candidates):
+            block_size = self.index.block_sizes.get(worker.address)
+            if block_size:
+                by_block_size.setdefault(block_size, []).append(position)
+        for block_size, positions in by_block_size.items():
+            hashes = note.prompt_hashes.get(block_size) if note is not None else None
+            if hashes is None:
+                hashes = prefix_block_hashes(
+                    prompt_token_ids, block_size,
+                    max_blocks=(len(prompt_token_ids) - 1) // block_size)
+                if note is not None:
+                    note.prompt_hashes[block_size] = hashes
+            matched = self.index.matched_blocks(
+                hashes, [candidates[p].address for p in positions])
+            for position in positions:
+                cached[position] = matched[candidates[position].address] * block_size
+        return cached
+
+    def record_outcome(self, note: RoutingNote, actual_cached_tokens: int) -> None:
+        """The prompt worker's reported cached tokens next to the prediction (metrics)."""
+        if self.metrics is not None and note.reason:
+            self.metrics.routing_predicted_cached_tokens.inc(note.predicted_cached_tokens)
+            self.metrics.routing_actual_cached_tokens.inc(actual_cached_tokens)
+
+    def _lowest(self, candidates: list, costs: list[float]):
+        """The lowest-cost candidate; ties take turns."""
+        best = min(costs)
+        tied = [worker for worker, cost in zip(candidates, costs) if cost == best]
+        return tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0]
+
+    def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None):
+        if self.metrics is not None:
+            self.metrics.routing_reasons.labels(reason=reason, role=worker.role).inc()
+        if note is not None and worker.role in _PROMPT_TIERS:
+            note.predicted_cached_tokens = predicted_tokens
+            note.reason = reason
+        return worker
+
+
+def _load(worker) -> float:
+    """Requests in flight (this router's live count) and waiting (the last GetLoad), plus the
+    KV pressure: KV usage above half counts up to one more request at full. Usage below half
+    (a stale reading, often) counts nothing, so idle workers tie and take turns."""
+    kv_pressure = max(0.0, worker.load.kv_usage - 0.5) * 2
+    return worker.num_in_flight + worker.load.num_waiting + kv_pressure
+
+
+def add_routing_flags(parser) -> None:
+    parser.add_argument("--routing", choices=ROUTING_POLICIES, default="cache-aware",
+                        help="how the router picks a worker: cache-aware (prefix cache hit "
+                             "vs load), least-loaded, round-robin")
+    parser.add_argument("--cache-weight", type=float, default=DEFAULT_CACHE_WEIGHT,
+                        help="cache-aware: how many more requests (running + waiting) a "
+                             "worker holding the whole prompt may have than one holding none "
+                             "and still be chosen (default %(default)s)")

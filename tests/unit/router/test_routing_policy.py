@@ -1,0 +1,119 @@
+"""The router's KV index and routing policies, on plain worker records (no processes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from tandem.common.block_hash import prefix_block_hashes
+from tandem.router.kv_index import KVIndex
+from tandem.router.routing_policy import RoutingNote, RoutingPolicy
+from tandem.v1 import worker_pb2
+
+BLOCK = 4
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    role: str = "both"
+    num_in_flight: int = 0
+    load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
+
+
+def snapshot(hashes, block_size=BLOCK):
+    return worker_pb2.SubscribeKVEventsResponse(is_snapshot=True, block_size=block_size,
+                                                stored_hashes=hashes)
+
+
+def hold(policy: RoutingPolicy, worker: Worker, token_ids) -> None:
+    policy.index.apply(worker.address, snapshot(prefix_block_hashes(token_ids, BLOCK)))
+
+
+PROMPT = list(range(100, 141))  # 41 tokens: 10 blocks to look up
+
+
+def test_index_matches_leading_blocks_per_worker():
+    index = KVIndex()
+    hashes = prefix_block_hashes(PROMPT, BLOCK)
+    index.apply("a", snapshot(hashes[:3]))
+    index.apply("b", snapshot(hashes[:7] + [123]))
+    index.apply("c", snapshot(hashes[1:]))  # no first block: nothing usable
+    assert index.matched_blocks(hashes, ["a", "b", "c", "d"]) == {"a": 3, "b": 7, "c": 0,
+                                                                  "d": 0}
+    index.apply("b", worker_pb2.SubscribeKVEventsResponse(block_size=BLOCK,
+                                                          evicted_hashes=[hashes[2]]))
+    assert index.matched_blocks(hashes, ["a", "b"]) == {"a": 3, "b": 2}
+    index.apply("a", snapshot([]))  # a fresh snapshot replaces what was known
+    assert index.num_blocks("a") == 0
+    index.forget("b")
+    index.forget("c")
+    assert index.num_hashes == 0 and index.block_sizes == {"a": BLOCK}
+
+
+def test_cleared_drops_everything_before_its_stored_hashes():
+    index = KVIndex()
+    index.apply("a", snapshot([1, 2, 3]))
+    index.apply("a", worker_pb2.SubscribeKVEventsResponse(block_size=BLOCK, cleared=True,
+                                                          stored_hashes=[9]))
+    assert index.num_blocks("a") == 1 and index.matched_blocks([9], ["a"]) == {"a": 1}
+
+
+def test_cache_aware_sends_a_prompt_where_its_prefix_is():
+    policy = RoutingPolicy("cache-aware", cache_weight=8)
+    workers = [Worker("a"), Worker("b"), Worker("c")]
+    hold(policy, workers[1], PROMPT[:20])
+    hold(policy, workers[2], PROMPT)
+    note = RoutingNote()
+    assert policy.pick(workers, PROMPT, note) is workers[2]
+    assert note.predicted_cached_tokens == 40 and note.reason == "cache_hit"
+    workers[2].num_in_flight = 2  # busier, but it saves 20 more tokens than b
+    assert policy.pick(workers, PROMPT) is workers[2]
+
+
+def test_a_hot_prefix_yields_to_load_past_the_margin():
+    policy = RoutingPolicy("cache-aware", cache_weight=8)
+    hot, idle = Worker("hot", num_in_flight=9), Worker("idle")
+    hold(policy, hot, PROMPT)
+    note = RoutingNote()
+    assert policy.pick([hot, idle], PROMPT, note) is idle
+    assert note.reason == "load_override" and note.predicted_cached_tokens == 0
+
+
+def test_prediction_leaves_one_token_to_compute():
+    policy = RoutingPolicy("cache-aware")
+    worker = Worker("a")
+    hold(policy, worker, PROMPT[:40])  # the whole 40-token prompt, 10 full blocks
+    note = RoutingNote()
+    policy.pick([worker, Worker("b")], PROMPT[:40], note)
+    assert note.predicted_cached_tokens == 36  # as the worker looks up: (40 - 1) // 4 blocks
+
+
+@pytest.mark.parametrize("name", ["cache-aware", "least-loaded", "round-robin"])
+def test_equal_workers_take_turns(name):
+    policy = RoutingPolicy(name)
+    workers = [Worker("a"), Worker("b"), Worker("c")]
+    picks = [policy.pick(workers, [i] * 9).address for i in range(30)]
+    assert sorted(picks.count(a) for a in "abc") == [10, 10, 10]
+
+
+def test_kv_usage_counts_only_above_half():
+    policy = RoutingPolicy("least-loaded")
+    low, high, other = Worker("low"), Worker("high"), Worker("other")
+    low.load.kv_usage, high.load.kv_usage = 0.3, 0.95
+    picks = [policy.pick([low, high, other]).address for _ in range(4)]
+    assert sorted(picks) == ["low", "low", "other", "other"]
+
+
+def test_least_loaded_ignores_the_cache():
+    policy = RoutingPolicy("least-loaded")
+    holder, other = Worker("holder", num_in_flight=1), Worker("other")
+    hold(policy, holder, PROMPT)
+    assert policy.pick([holder, other], PROMPT) is other
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="not one of"):
+        RoutingPolicy("random")
+    with pytest.raises(ValueError, match="cache_weight"):
+        RoutingPolicy(cache_weight=-1)
