@@ -31,8 +31,8 @@ def default_up(default_model_cache, tmp_path_factory):
     http_port = free_port()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_CACHE_DIR", str(default_model_cache))
-        # A small KV cache: on CPU the default one (2 GiB a worker) takes seconds to zero.
-        up, processes = start_up(["--http-port", str(http_port), "--num-kv-blocks", "256"],
+        # One max_model_len of KV: on CPU the default cache (2 GiB a worker) takes seconds to zero.
+        up, processes = start_up(["--http-port", str(http_port), "--num-kv-blocks", "512"],
                                  log_dir)
     try:
         assert "router" in processes, (log_dir / "up.log").read_text()[-3000:]
