@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-kv-blocks", type=int,
+                   help="passed to `tandem up` (on CPU a smaller cache restarts faster)")
     p.add_argument("--max-rss-growth", type=float, default=0.10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, help="children's logs (default: a temporary folder)")
@@ -273,6 +275,8 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     up_args = ["--model", model, "--prefill", str(args.prefill), "--decode", str(args.decode),
                "--both", str(args.both), "--dtype", "float32"]
+    if args.num_kv_blocks is not None:
+        up_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     stack = UpStack(up_args, log_dir)
     report = Report()
     try:
