@@ -24,6 +24,7 @@ work. TPOT and TTFT are measured at the client.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -37,7 +38,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.up_stack import UpStack
-from tandem.client import TandemClient
+from tandem.client import AsyncTandemClient
 
 __all__ = ["main"]
 BURST_FACTOR = 10
@@ -76,42 +77,40 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 class Streams:
-    """`num` streams released together (a barrier); each records its status and timings."""
+    """Streams sent at once from one event loop (each over its own connection, dialed first);
+    each records its status and timings."""
 
     def __init__(self, address: str, prompts: list[list[int]], max_tokens: int) -> None:
         self.address, self.prompts, self.max_tokens = address, prompts, max_tokens
         self.refusals_ms: list[float] = []
         self.tpots_s: list[float] = []
         self.errors: list[str] = []
-        self._lock = threading.Lock()
 
     def run(self) -> None:
-        barrier = threading.Barrier(len(self.prompts))
-        threads = [threading.Thread(target=self._one, args=(prompt, barrier), daemon=True)
-                   for prompt in self.prompts]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(600)
+        asyncio.run(self._run_all())
 
-    def _one(self, prompt: list[int], barrier: threading.Barrier) -> None:
-        with TandemClient(self.address, timeout=600) as client:
-            client.model_info()  # connect first, so the burst measures the router, not dialing
-            barrier.wait()
-            sent = time.perf_counter()
-            try:
-                result = client.generate(prompt, max_tokens=self.max_tokens, temperature=0.0,
-                                         ignore_eos=True)
-            except grpc.RpcError as exc:
-                with self._lock:
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        self.refusals_ms.append((time.perf_counter() - sent) * 1000)
-                    else:
-                        self.errors.append(f"{exc.code().name}: {exc.details()}")
-                return
-            with self._lock:
-                if result.client_tpot_seconds is not None:
-                    self.tpots_s.append(result.client_tpot_seconds)
+    async def _run_all(self) -> None:
+        clients = [AsyncTandemClient(self.address, timeout=600) for _ in self.prompts]
+        try:
+            await asyncio.gather(*(client.model_info() for client in clients))
+            await asyncio.gather(*(self._one(client, prompt)
+                                   for client, prompt in zip(clients, self.prompts)))
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+    async def _one(self, client: AsyncTandemClient, prompt: list[int]) -> None:
+        sent = time.perf_counter()
+        try:
+            result = await client.generate(prompt, max_tokens=self.max_tokens,
+                                           temperature=0.0, ignore_eos=True)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.refusals_ms.append((time.perf_counter() - sent) * 1000)
+            else:
+                self.errors.append(f"{exc.code().name}: {exc.details()}")
+            return
+        if result.client_tpot_seconds is not None:
+            self.tpots_s.append(result.client_tpot_seconds)
 
 
 def seeded_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
