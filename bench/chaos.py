@@ -8,9 +8,10 @@ Known prompts (seeded token ids) run through the offline engine first (tandem.ll
 checkpoint, float32) for their greedy references. Then `tandem up` starts and a closed loop
 of `--concurrency` clients sends those prompts round robin (greedy, ignore_eos, max_tokens
 fixed): `--calm-seconds` undisturbed, then `--duration` seconds in which every `--kill-every`
-seconds a random worker is SIGKILLed and started again on its port, never the last serving
-worker of its tier. At the end it checks: no request failed, every output equals its
-reference, no worker holds a KV block or a request, and no process grew by more than
+seconds a random worker is SIGKILLed and started again on its port, never the last worker of
+its tier in the router's pool (a restart ends once the router has the worker back). At the
+end it checks: no request failed, every output equals its reference, no worker holds a KV
+block or a request, and no process grew by more than
 `--max-rss-growth` (resident memory at the end of the calm phase against the end; a restarted
 worker is compared with the process it replaced). It prints requests, migrations, ejections,
 kills and p99 TTFT/TPOT of both phases; exit status 1 when a check fails.
@@ -36,6 +37,7 @@ from tandem.client import TandemClient
 __all__ = ["main"]
 REQUEST_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 30.0
+POOL_TIMEOUT_S = 90.0
 
 
 @dataclass(slots=True)
@@ -166,8 +168,11 @@ class Load:
 
 
 def pick_victim(stack: UpStack, rng: random.Random):
-    """A random worker whose tier keeps another serving worker, or None."""
-    serving = [w for w in stack.workers if is_serving(w.address)]
+    """A random worker whose tier keeps another worker serving and in the router's pool (a
+    restarted worker may be serving yet still out of the pool for its ejection backoff), or
+    None."""
+    in_pool = stack.workers_in_pool()
+    serving = [w for w in stack.workers if w.address in in_pool and is_serving(w.address)]
     candidates = [w for w in serving if sum(o.role == w.role for o in serving) >= 2]
     return rng.choice(candidates) if candidates else None
 
@@ -177,7 +182,7 @@ def run_chaos(stack: UpStack, duration: float, kill_every: float, rng: random.Ra
     """Kill and restart a worker every `kill_every` seconds for `duration` seconds."""
     started = time.monotonic()
     next_kill = started
-    while time.monotonic() - started < duration:
+    while next_kill - started < duration:
         time.sleep(max(0.0, next_kill - time.monotonic()))
         next_kill += kill_every
         victim = pick_victim(stack, rng)
@@ -188,10 +193,22 @@ def run_chaos(stack: UpStack, duration: float, kill_every: float, rng: random.Ra
         stack.kill(victim)
         stack.restart(victim)
         ready_s = stack.wait_serving(victim)
+        in_pool_s = wait_in_pool(stack, victim.address, started + at)
         kills.append({"at_s": round(at, 1), "worker": victim.name,
-                      "ready_after_s": round(ready_s, 1)})
-        print(f"chaos: t={at:.0f} s killed {victim.name}, serving again after {ready_s:.1f} s",
-              file=sys.stderr, flush=True)
+                      "ready_after_s": round(ready_s, 1), "in_pool_after_s": in_pool_s})
+        print(f"chaos: t={at:.0f} s killed {victim.name}, serving again after {ready_s:.1f} s, "
+              f"in the router's pool after {in_pool_s} s", file=sys.stderr, flush=True)
+
+
+def wait_in_pool(stack: UpStack, address: str, killed_at: float) -> float | None:
+    """Seconds from the kill until the router has `address` back in its pool (its ejection
+    backoff grows while the worker keeps failing), or None after POOL_TIMEOUT_S more."""
+    deadline = time.monotonic() + POOL_TIMEOUT_S
+    while address not in stack.workers_in_pool():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    return round(time.monotonic() - killed_at, 1)
 
 
 def p99(values: list[float | None]) -> float | None:

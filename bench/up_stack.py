@@ -195,6 +195,15 @@ class UpStack:
         return sum(sample.value for family in text_string_to_metric_families(text)
                    for sample in family.samples if sample.name == f"{name}_total")
 
+    def workers_in_pool(self) -> set[str]:
+        """Addresses of the workers the router has in its routing pool now."""
+        url = f"http://{self.router.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        return {sample.labels["worker"] for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "tandem:worker_healthy" and sample.value == 1}
+
     def stop(self, grace: float = 30.0) -> int:
         """SIGTERM `tandem up` (it stops its own children) and the restarted workers; returns
         `tandem up`'s exit status."""

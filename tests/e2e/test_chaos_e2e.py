@@ -24,7 +24,7 @@ def test_short_chaos_run_loses_nothing(checkpoint, tmp_path):
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
     report = json.loads(report_path.read_text())
     kills = [k for k in report["kills"] if not k.get("skipped")]
-    assert len(kills) == 2 and all(k["worker"].startswith("decode") for k in kills), report
+    assert len(kills) >= 2 and all(k["worker"].startswith("decode") for k in kills), report
     assert report["requests"]["chaos"] > 0 and not report["failed"], report
     assert report["mismatched"] == 0 and not report["busy_workers"], report
     # Each kill interrupts a stream on the killed decode worker (3 clients, 2 workers).
