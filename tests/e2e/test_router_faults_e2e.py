@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 from helpers.client import generate, request, router_counter, worker_load
-from helpers.processes import free_port, start_stack, stop, wait_until
+from helpers.processes import admit_late, free_port, start_stack, stop, wait_until
 
 MAX_CONCURRENCY, MAX_QUEUE = 2, 2
 LONG = dict(max_tokens=450)  # several seconds of streaming on CPU
@@ -130,18 +130,24 @@ def test_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(small
     wait_until(lambda: workers_idle(small_router), timeout=5)
 
 
+NUM_FROZEN_STREAMS = 8
+
+
 @pytest.mark.slow
 def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkpoint, tmp_path):
-    """Streams on a SIGSTOPped decode worker stall, migrate to the other decode worker and
-    finish there with the tokens of an undisturbed run."""
+    """All 8 streams of a decode worker stall when it is SIGSTOPped, migrate to the other
+    decode worker (admitted to the router only once the 8 run on the first) and finish there
+    with the tokens of an undisturbed run; after SIGCONT the worker rejoins through its probe
+    and holds no KV block."""
     stall_seconds = 3
     metrics_address = f"127.0.0.1:{free_port()}"
-    stack = start_stack(checkpoint("llama").path, tmp_path, num_decode=2, router_args=[
+    stack = start_stack(checkpoint("llama").path, tmp_path, num_late_decode=1, router_args=[
         "--stall-timeout-seconds", str(stall_seconds), "--first-token-timeout-seconds", "20",
         "--metrics-port", metrics_address.rsplit(":", 1)[1], "--metrics-host", "127.0.0.1"])
-    victim = stack.workers["decode-0"]
+    victim, other = stack.workers["decode-0"], stack.workers["decode-1"]
     ejections = dict(name="tandem:worker_ejections", worker=victim.address, cause="stall")
-    prompts = [[30 + i] * 20 for i in range(4)]
+    rejoins = dict(name="tandem:worker_rejoins", worker=victim.address)
+    prompts = [[30 + i] * 20 for i in range(NUM_FROZEN_STREAMS)]
     outcomes: dict[int, object] = {}
 
     def stream(i):
@@ -164,7 +170,9 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         assert len(undisturbed) == len(prompts)
         outcomes.clear()
         threads = run_all()
-        wait_until(lambda: worker_load(victim.address).num_running >= 2, timeout=30)
+        wait_until(lambda: worker_load(victim.address).num_running == NUM_FROZEN_STREAMS,
+                   timeout=30, interval=0.01)
+        admit_late(stack)  # the other decode worker, to migrate to
         victim.popen.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         for thread in threads:
@@ -174,11 +182,11 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         assert not errors, [f"{e.code().name}: {e.details()}" for e in errors]
         for i, outcome in outcomes.items():
             assert outcome.token_ids == undisturbed[i], f"stream {i}"
-        num_migrated = sum(o.complete.usage.num_migrations for o in outcomes.values())
-        assert num_migrated >= 2
-        assert all(o.complete.usage.num_migrations <= 1 for o in outcomes.values())
+        # Every stream was on the frozen worker and moved once, to the other one.
+        assert [o.complete.usage.num_migrations for o in outcomes.values()] \
+            == [1] * NUM_FROZEN_STREAMS
         assert router_counter(metrics_address, "tandem:request_migrations",
-                              cause="stall") == num_migrated
+                              cause="stall") == NUM_FROZEN_STREAMS
         # Well before the call's own 90 s deadline (the stall timeout is 3 s).
         assert time.monotonic() - stopped_at < 60
         assert router_counter(metrics_address, **ejections) == 1
@@ -186,14 +194,15 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         for i in range(3):
             assert generate(stack.router.address, request([3, i], max_tokens=8),
                             timeout=30).complete
-        assert router_counter(metrics_address, "tandem:worker_rejoins",
-                              worker=victim.address) == 0
+        assert router_counter(metrics_address, **rejoins) == 0
+        assert worker_load(other.address).num_running == 0
         victim.popen.send_signal(signal.SIGCONT)
-        # Back after its ejection backoff, on its first good health check.
-        wait_until(lambda: router_counter(metrics_address, "tandem:worker_rejoins",
-                                          worker=victim.address) >= 1, timeout=30)
-        # The thawed worker dropped the attempts that moved away (cancelled streams, Aborts).
+        # Back after its ejection backoff, on its first good health check (the probe), and
+        # with the attempts that moved away dropped (cancelled streams, Aborts).
+        wait_until(lambda: router_counter(metrics_address, **rejoins) >= 1, timeout=30)
         wait_until(lambda: workers_idle(stack), timeout=30)
+        assert router_counter(metrics_address, **rejoins) == 1
+        assert router_counter(metrics_address, **ejections) == 1
     finally:
         victim.popen.send_signal(signal.SIGCONT)
         stop(stack.processes)

@@ -103,6 +103,9 @@ class Stack:
 
     router: Process
     workers: dict[str, Process] = field(default_factory=dict)
+    # Decode workers running but left out of the router's decode targets (a file:// target)
+    # until `admit_late`: (the targets file, those workers).
+    late: tuple[Path, list[Process]] | None = None
 
     @property
     def processes(self) -> list[Process]:
@@ -111,31 +114,35 @@ class Stack:
 
 def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: int = 1,
                 num_both: int = 0, worker_args: list[str] = (),
-                router_args: list[str] = (), role_args: dict[str, list[str]] | None = None
-                ) -> Stack:
-    """Workers first, then the router (as `tandem up` does: its first health check then sees
-    every worker, so requests spread over all of them from the start); returns once every
-    process reports SERVING. worker_args go to every worker, role_args[role] (e.g.
-    {"decode": ["--device", "cuda:1"]}) after them to that role's workers only."""
+                router_args: list[str] = (), role_args: dict[str, list[str]] | None = None,
+                num_late_decode: int = 0) -> Stack:
+    """Workers and the router start together (the router loads its tokenizer while the
+    workers load the model); returns once every process reports SERVING and the router has
+    every worker in its pool, so requests spread over all of them from the first one.
+    worker_args go to every worker, role_args[role] (e.g. {"decode": ["--device", "cuda:1"]})
+    after them to that role's workers only. num_late_decode: more decode workers, started with
+    the others but unknown to the router (its decode targets are a file) until `admit_late`."""
     workers: dict[str, Process] = {}
     roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
     # As `tandem up`: workers on one GPU share it (worker_args may override; CPU ignores it).
     share = ["--gpu-memory-utilization", f"{0.9 / max(1, num_prefill + num_decode + num_both):g}"]
     by_role: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     for role, count in roles:
-        for i in range(count):
+        for i in range(count + (num_late_decode if role == "decode" else 0)):
             port = free_port()
             name = f"{role}-{i}"
             workers[name] = start(name, ["tandem.workers.server", "--role", role, "--model",
                                          str(model), "--port", str(port), "--dtype", "float32",
                                          *share, *worker_args, *(role_args or {}).get(role, [])],
                                  port, log_dir)
-            by_role[role].append(workers[name].address)
-    try:
-        wait_serving(list(workers.values()))
-    except Exception:
-        stop(list(workers.values()))
-        raise
+            if i < count:
+                by_role[role].append(workers[name].address)
+    late = None
+    if num_late_decode:
+        targets = log_dir / "decode-targets.txt"
+        targets.write_text("".join(f"{address}\n" for address in by_role["decode"]))
+        by_role["decode"] = [f"file://{targets}"]
+        late = (targets, [workers[f"decode-{num_decode + i}"] for i in range(num_late_decode)])
     port = free_port()
     # One router process unless router_args say otherwise (the default follows the cores).
     router_cmd = ["tandem.router.server", "--model", str(model), "--port", str(port),
@@ -143,13 +150,41 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     for role, addresses in by_role.items():
         if addresses:
             router_cmd += [f"--{role}", ",".join(addresses)]
-    stack = Stack(start("router", router_cmd, port, log_dir), workers)
+    stack = Stack(start("router", router_cmd, port, log_dir), workers, late)
     try:
+        wait_serving(list(workers.values()))
         wait_serving([stack.router])
+        wait_in_pool(stack.router, [w for w in workers.values()
+                                    if late is None or w not in late[1]])
     except Exception:
         stop(stack.processes)
         raise
     return stack
+
+
+def admit_late(stack: Stack) -> None:
+    """Add the stack's late decode workers to the router's targets; returns once the router
+    has them in its pool."""
+    targets, late = stack.late
+    staged = targets.with_suffix(".staged")  # replaced whole: the router never reads half
+    staged.write_text(targets.read_text() + "".join(f"{w.address}\n" for w in late))
+    os.replace(staged, targets)
+    stack.late = None
+    wait_in_pool(stack.router, late)
+
+
+def wait_in_pool(router: Process, workers: list[Process], timeout: float = 60) -> None:
+    """Until the router's log says each worker joined its pool (its first good check)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = router.log_path.read_text(errors="replace")
+        missing = [w.name for w in workers if f"worker {w.address} joined the pool" not in log]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"router has not taken {missing} into its pool after {timeout} "
+                               f"s:\n{router.log_tail()}")
+        time.sleep(0.05)
 
 
 def start_up(args: list[str], log_dir: Path, give_internal_token: bool = True

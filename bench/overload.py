@@ -1,0 +1,238 @@
+"""Overload: what a burst past the router's capacity costs, and whether a saturated worker's
+health stays truthful.
+
+    python -m tandem.bench.overload burst [--max-concurrency 16] [--rounds 3]
+    python -m tandem.bench.overload health [--streams 64] [--long-prompt 2048]
+
+`burst` starts `tandem up --max-concurrency C --max-queue 0` and runs, `--rounds` times, C
+streams alone (the unloaded run) and then 10 x C streams released at once (the burst). It
+reports how fast the excess got RESOURCE_EXHAUSTED (time from the call to its status, max and
+p99) and the admitted streams' p99 TPOT against the unloaded run's; exit status 1 unless every
+refusal came within `--refusal-budget-ms` (50) and the TPOT ratio is within `--tpot-ratio`
+(1.5).
+
+`health` starts one aggregated worker behind a router, saturates its engine with `--streams`
+decoding streams plus one `--long-prompt`-token prompt prefilling, and meanwhile checks the
+worker's grpc.health.v1 every 50 ms as the router does. It reports the checks' latency
+(max/p99), how many missed `--health-budget-ms` (100), and whether the router ever ejected
+the worker (its tandem:worker_ejections_total); exit status 1 when a check failed the budget
+or the worker left the pool.
+
+Streams are greedy over seeded token-id prompts with ignore_eos, so every run does the same
+work. TPOT and TTFT are measured at the client.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.bench.up_stack import UpStack
+from tandem.client import AsyncTandemClient
+
+__all__ = ["main"]
+BURST_FACTOR = 10
+HEALTH_PERIOD_S = 0.05
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tandem.bench.overload",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["burst", "health"])
+    p.add_argument("--model", help="HF checkpoint folder (default: the default model)")
+    p.add_argument("--max-concurrency", type=int, default=16, help="burst: the router's cap")
+    p.add_argument("--rounds", type=int, default=3, help="burst: unloaded run + burst pairs")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--refusal-budget-ms", type=float, default=50.0)
+    p.add_argument("--tpot-ratio", type=float, default=1.5)
+    p.add_argument("--streams", type=int, default=64, help="health: decoding streams")
+    p.add_argument("--long-prompt", type=int, default=2048,
+                   help="health: tokens of the prompt prefilling meanwhile")
+    p.add_argument("--health-budget-ms", type=float, default=100.0)
+    p.add_argument("--log-dir", type=Path, help="children's logs (default: a temporary folder)")
+    p.add_argument("--json", type=Path, help="write the numbers here")
+    return p.parse_args(argv)
+
+
+def resolve_model(model: str | None) -> str:
+    if model is not None:
+        return str(Path(model).resolve())
+    from tandem.common.default_model import default_cache_dir, ensure_default_model
+    return str(ensure_default_model(default_cache_dir()))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+class Streams:
+    """Streams sent at once from one event loop (each over its own connection, dialed first);
+    each records its status and timings."""
+
+    def __init__(self, address: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.address, self.prompts, self.max_tokens = address, prompts, max_tokens
+        self.refusals_ms: list[float] = []
+        self.tpots_s: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        asyncio.run(self._run_all())
+
+    async def _run_all(self) -> None:
+        clients = [AsyncTandemClient(self.address, timeout=600) for _ in self.prompts]
+        try:
+            await asyncio.gather(*(client.model_info() for client in clients))
+            await asyncio.gather(*(self._one(client, prompt)
+                                   for client, prompt in zip(clients, self.prompts)))
+        finally:
+            await asyncio.gather(*(client.close() for client in clients))
+
+    async def _one(self, client: AsyncTandemClient, prompt: list[int]) -> None:
+        sent = time.perf_counter()
+        try:
+            result = await client.generate(prompt, max_tokens=self.max_tokens,
+                                           temperature=0.0, ignore_eos=True)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.refusals_ms.append((time.perf_counter() - sent) * 1000)
+            else:
+                self.errors.append(f"{exc.code().name}: {exc.details()}")
+            return
+        if result.client_tpot_seconds is not None:
+            self.tpots_s.append(result.client_tpot_seconds)
+
+
+def seeded_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def vocab_size(model: str) -> int:
+    return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+
+
+def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict, bool]:
+    cap = args.max_concurrency
+    stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
+                     "--max-queue", "0"], log_dir)
+    unloaded, burst = [], Streams(stack.router.address, [], args.max_tokens)
+    try:
+        for round_index in range(args.rounds):
+            prompts = seeded_prompts(BURST_FACTOR * cap, args.prompt_len, vocab_size(model),
+                                     round_index)
+            alone = Streams(stack.router.address, prompts[:cap], args.max_tokens)
+            alone.run()
+            unloaded += alone.tpots_s
+            burst.errors += alone.errors
+            loaded = Streams(stack.router.address, prompts, args.max_tokens)
+            loaded.run()
+            burst.refusals_ms += loaded.refusals_ms
+            burst.tpots_s += loaded.tpots_s
+            burst.errors += loaded.errors
+            print(f"burst: round {round_index + 1}/{args.rounds}: {len(loaded.refusals_ms)} "
+                  f"refused, {len(loaded.tpots_s)} admitted", file=sys.stderr, flush=True)
+    finally:
+        stack.stop()
+    numbers = {
+        "max_concurrency": cap, "burst_size": BURST_FACTOR * cap, "rounds": args.rounds,
+        "refused": len(burst.refusals_ms), "admitted": len(burst.tpots_s),
+        "errors": burst.errors[:10],
+        "refusal_ms_max": max(burst.refusals_ms, default=None),
+        "refusal_ms_p99": percentile(burst.refusals_ms, 99),
+        "refusal_ms_p50": percentile(burst.refusals_ms, 50),
+        "unloaded_tpot_ms_p99": 1000 * percentile(unloaded, 99),
+        "burst_tpot_ms_p99": 1000 * percentile(burst.tpots_s, 99),
+    }
+    numbers["tpot_ratio"] = numbers["burst_tpot_ms_p99"] / numbers["unloaded_tpot_ms_p99"]
+    expected_refusals = (BURST_FACTOR - 1) * cap * args.rounds
+    passed = (not burst.errors and numbers["refused"] == expected_refusals
+              and numbers["refusal_ms_max"] <= args.refusal_budget_ms
+              and numbers["tpot_ratio"] <= args.tpot_ratio)
+    return numbers, passed
+
+
+def check_latencies(address: str, stop: threading.Event, latencies_ms: list[float],
+                    failures: list[str]) -> None:
+    """grpc.health.v1 checks every HEALTH_PERIOD_S until `stop`; latency of each."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            sent = time.perf_counter()
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    failures.append(health_pb2.HealthCheckResponse.ServingStatus.Name(
+                        reply.status))
+            except grpc.RpcError as exc:
+                failures.append(exc.code().name)
+            latencies_ms.append((time.perf_counter() - sent) * 1000)
+            stop.wait(HEALTH_PERIOD_S)
+
+
+def run_health(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict, bool]:
+    stack = UpStack(["--model", model, "--dtype", "float32", "--both", "1",
+                     "--max-concurrency", str(args.streams + 1)], log_dir)
+    worker = stack.workers[0]
+    latencies_ms, failures = [], []
+    stop = threading.Event()
+    try:
+        size = vocab_size(model)
+        prompts = seeded_prompts(args.streams, args.prompt_len, size, 0)
+        prompts.append(seeded_prompts(1, args.long_prompt, size, 1)[0])
+        checker = threading.Thread(target=check_latencies,
+                                   args=(worker.address, stop, latencies_ms, failures))
+        checker.start()
+        streams = Streams(stack.router.address, prompts, args.max_tokens)
+        started = time.perf_counter()
+        streams.run()
+        elapsed = time.perf_counter() - started
+        stop.set()
+        checker.join()
+        ejections = stack.router_counter("tandem:worker_ejections")
+    finally:
+        stop.set()
+        stack.stop()
+    numbers = {
+        "streams": args.streams, "long_prompt_tokens": args.long_prompt,
+        "max_tokens": args.max_tokens, "seconds_saturated": round(elapsed, 1),
+        "stream_errors": streams.errors[:10], "checks": len(latencies_ms),
+        "check_failures": failures[:10],
+        "check_ms_max": max(latencies_ms, default=None),
+        "check_ms_p99": percentile(latencies_ms, 99),
+        "check_ms_p50": percentile(latencies_ms, 50),
+        "over_budget": sum(ms > args.health_budget_ms for ms in latencies_ms),
+        "router_ejections": ejections,
+    }
+    passed = (not streams.errors and not failures and numbers["over_budget"] == 0
+              and ejections == 0)
+    return numbers, passed
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = resolve_model(args.model)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"tandem-overload-{args.mode}-"))
+    run = run_burst if args.mode == "burst" else run_health
+    numbers, passed = run(args, model, log_dir)
+    for key, value in numbers.items():
+        shown = f"{value:.1f}" if isinstance(value, float) else value
+        print(f"{key:<24} {shown}")
+    print("PASS" if passed else "FAIL")
+    if args.json is not None:
+        args.json.write_text(json.dumps(numbers, indent=2))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
