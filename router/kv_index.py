@@ -109,6 +109,8 @@ class KVEventFeed:
     async def _follow(self, worker) -> None:
         address = worker.address
         wait = RESUBSCRIBE_MIN_SECONDS
+        if self.metrics is not None:  # the series exists (at 0) before the first reconnect
+            self.metrics.kv_event_reconnects.labels(worker=address, role=worker.role)
         try:
             while not worker.is_removed:
                 try:
