@@ -25,6 +25,12 @@ def two_process_router(checkpoint, tmp_path_factory):
                         num_prefill=0, num_decode=0, num_both=1,
                         router_args=["--processes", "2", "--metrics-port",
                                      metrics_address.rsplit(":", 1)[1]])
+    # The stack is ready once one process answers; wait for both to have the worker in their
+    # pools and serve their metrics, else the first requests all land on one process.
+    worker = stack.workers["both-0"]
+    wait_until(lambda: stack.router.log_path.read_text(errors="replace").count(
+        f"worker {worker.address} joined the pool") >= 2
+        and all(serves_metrics(metrics_address, i) for i in (0, 1)), timeout=60)
     yield stack, metrics_address
     stop(stack.processes)
 
