@@ -210,7 +210,7 @@ def test_repeated_prompt_reports_cached_tokens(client, model):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
 ])
