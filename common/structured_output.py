@@ -14,6 +14,7 @@ cache's key, so two requests asking for the same shape share one compiled gramma
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -72,11 +73,12 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
 
 
+@functools.lru_cache(maxsize=256)
 def grammar_error(structured: StructuredOutput) -> str | None:
     """Why the spec cannot be compiled ("structured_output.<kind>: ..."), or None when it can.
     Checks the grammar without a tokenizer: what a worker compiles for its model then only
     fails on resource limits. Takes up to a second for a large schema: call it off the event
-    loop."""
+    loop. Answers are cached by spec."""
     from llguidance import LLMatcher
 
     if structured.kind == "json_schema":

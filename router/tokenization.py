@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tandem.common.checkpoint_files import eos_token_ids
+from tandem.common.structured_output import StructuredOutput, grammar_error
 from tandem.router.validation import ModelLimits
 from tandem.v1 import generate_pb2
 
@@ -46,6 +47,11 @@ class ModelFrontend:
             return await loop.run_in_executor(self._executor, self._encode, request.text)
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return await loop.run_in_executor(self._executor, self._apply_chat_template, messages)
+
+    async def structured_output_error(self, spec: StructuredOutput) -> str | None:
+        """Why the spec does not compile (None: it does), checked on the thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, grammar_error, spec)
 
     async def text(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (ids checked against the vocabulary by the caller)."""

@@ -24,45 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\x9f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.tandem.v1.SamplingParameters\x12\'\n\x04stop\x18\x07 \x01(\x0b\x32\x19.tandem.v1.StopConditions\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd6\x02\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x9a\x01\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"j\n\x10GenerateResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x13.tandem.v1.CompleteH\x00\x42\n\n\x08response\"S\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xaa\x01\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.tandem.v1.Timings\"o\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x05\"\xc1\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12%\n\x1dtime_per_output_token_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15prefill_queue_seconds\x18\x05 \x01(\x01\x12\x1f\n\x17prefill_compute_seconds\x18\x06 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa2\x01\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xd7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.tandem.v1.SamplingParameters\x12\'\n\x04stop\x18\x07 \x01(\x0b\x32\x19.tandem.v1.StopConditions\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x36\n\x11structured_output\x18\t \x01(\x0b\x32\x1b.tandem.v1.StructuredOutputB\x08\n\x06promptB\x0b\n\t_logprobs\"\xaa\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12,\n\x0bjson_object\x18\x02 \x01(\x0b\x32\x15.tandem.v1.JsonObjectH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x11.tandem.v1.ChoiceH\x00\x42\x08\n\x06\x66ormat\"\x0c\n\nJsonObject\"\x19\n\x06\x43hoice\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd6\x02\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\x9a\x01\n\x0eStopConditions\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"j\n\x10GenerateResponse\x12!\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x13.tandem.v1.CompleteH\x00\x42\n\n\x08response\"S\n\x05\x43hunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xaa\x01\n\x08\x43omplete\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x14\n\x0cmatched_stop\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x05 \x01(\x0b\x32\x12.tandem.v1.Timings\"o\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x04 \x01(\x05\"\xc1\x01\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12%\n\x1dtime_per_output_token_seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65\x32\x65_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15prefill_queue_seconds\x18\x05 \x01(\x01\x12\x1f\n\x17prefill_compute_seconds\x18\x06 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa2\x01\n\x08Generate\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1964
-  _globals['_FINISHREASON']._serialized_end=2084
+  _globals['_FINISHREASON']._serialized_start=2234
+  _globals['_FINISHREASON']._serialized_end=2354
   _globals['_GENERATEREQUEST']._serialized_start=40
-  _globals['_GENERATEREQUEST']._serialized_end=327
-  _globals['_TOKENIDS']._serialized_start=329
-  _globals['_TOKENIDS']._serialized_end=352
-  _globals['_CHATMESSAGES']._serialized_start=354
-  _globals['_CHATMESSAGES']._serialized_end=410
-  _globals['_CHATMESSAGE']._serialized_start=412
-  _globals['_CHATMESSAGE']._serialized_end=456
-  _globals['_SAMPLINGPARAMETERS']._serialized_start=459
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=801
-  _globals['_STOPCONDITIONS']._serialized_start=804
-  _globals['_STOPCONDITIONS']._serialized_end=958
-  _globals['_GENERATERESPONSE']._serialized_start=960
-  _globals['_GENERATERESPONSE']._serialized_end=1066
-  _globals['_CHUNK']._serialized_start=1068
-  _globals['_CHUNK']._serialized_end=1151
-  _globals['_TOKENLOGPROB']._serialized_start=1153
-  _globals['_TOKENLOGPROB']._serialized_end=1252
-  _globals['_TOPLOGPROB']._serialized_start=1254
-  _globals['_TOPLOGPROB']._serialized_end=1301
-  _globals['_COMPLETE']._serialized_start=1304
-  _globals['_COMPLETE']._serialized_end=1474
-  _globals['_USAGE']._serialized_start=1476
-  _globals['_USAGE']._serialized_end=1587
-  _globals['_TIMINGS']._serialized_start=1590
-  _globals['_TIMINGS']._serialized_end=1783
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1785
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1806
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1809
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1962
-  _globals['_GENERATE']._serialized_start=2087
-  _globals['_GENERATE']._serialized_end=2249
+  _globals['_GENERATEREQUEST']._serialized_end=383
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=386
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=556
+  _globals['_JSONOBJECT']._serialized_start=558
+  _globals['_JSONOBJECT']._serialized_end=570
+  _globals['_CHOICE']._serialized_start=572
+  _globals['_CHOICE']._serialized_end=597
+  _globals['_TOKENIDS']._serialized_start=599
+  _globals['_TOKENIDS']._serialized_end=622
+  _globals['_CHATMESSAGES']._serialized_start=624
+  _globals['_CHATMESSAGES']._serialized_end=680
+  _globals['_CHATMESSAGE']._serialized_start=682
+  _globals['_CHATMESSAGE']._serialized_end=726
+  _globals['_SAMPLINGPARAMETERS']._serialized_start=729
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1071
+  _globals['_STOPCONDITIONS']._serialized_start=1074
+  _globals['_STOPCONDITIONS']._serialized_end=1228
+  _globals['_GENERATERESPONSE']._serialized_start=1230
+  _globals['_GENERATERESPONSE']._serialized_end=1336
+  _globals['_CHUNK']._serialized_start=1338
+  _globals['_CHUNK']._serialized_end=1421
+  _globals['_TOKENLOGPROB']._serialized_start=1423
+  _globals['_TOKENLOGPROB']._serialized_end=1522
+  _globals['_TOPLOGPROB']._serialized_start=1524
+  _globals['_TOPLOGPROB']._serialized_end=1571
+  _globals['_COMPLETE']._serialized_start=1574
+  _globals['_COMPLETE']._serialized_end=1744
+  _globals['_USAGE']._serialized_start=1746
+  _globals['_USAGE']._serialized_end=1857
+  _globals['_TIMINGS']._serialized_start=1860
+  _globals['_TIMINGS']._serialized_end=2053
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2055
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2076
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2079
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2232
+  _globals['_GENERATE']._serialized_start=2357
+  _globals['_GENERATE']._serialized_end=2519
 # @@protoc_insertion_point(module_scope)
