@@ -1,7 +1,8 @@
 """Structured output through a real router -> prefill -> decode stack: the decode worker
 rebuilds each request's grammar from the prefill's first token, so the split gives the tokens
 one engine gives; bad specs are INVALID_ARGUMENT naming the problem; the decode worker counts
-its constrained requests."""
+its constrained requests; the OpenAI API's response_format (official client) gives JSON that
+validates, whole or streamed."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import re
 
 import grpc
 import jsonschema
+import openai
 import pytest
 from helpers.checkpoints import random_prompts
 from helpers.client import generate, request, router_counter
@@ -41,11 +43,14 @@ SPECS = [StructuredOutput("json_schema", json.dumps(SCHEMA)),
 
 @pytest.fixture(scope="module")
 def split_stack(checkpoint, tmp_path_factory):
-    decode_metrics = free_port()
+    decode_metrics, http_port = free_port(), free_port()
     stack = start_stack(checkpoint("llama").path, tmp_path_factory.mktemp("structured_logs"),
+                        router_args=["--http-port", str(http_port)],
                         role_args={"decode": ["--metrics-port", str(decode_metrics),
                                               "--metrics-host", "127.0.0.1"]})
     stack.decode_metrics = f"127.0.0.1:{decode_metrics}"
+    stack.client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1",
+                                 api_key="unused", max_retries=0, timeout=60)
     yield stack
     stop(stack.processes)
 
@@ -110,3 +115,44 @@ def test_a_bad_spec_is_invalid_argument_naming_it(split_stack, spec, fragment):
         generate(split_stack.router.address, message)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in info.value.details()
+
+
+def test_openai_response_format_gives_valid_json(split_stack):
+    client = split_stack.client
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "describe a box"}]
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "box", "schema": SCHEMA, "strict": True}}
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=120,
+                                           temperature=1.0, seed=4, n=3,
+                                           response_format=response_format)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=120,
+                                            temperature=0.0, stream=True,
+                                            response_format=response_format)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # Any object: a random model may not close it within max_tokens, but it opens one.
+    reply = client.completions.create(model=model, prompt="a box:", max_tokens=40,
+                                      temperature=0.0,
+                                      extra_body={"response_format": {"type": "json_object"}})
+    text = reply.choices[0].text
+    assert text.startswith("{")
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_openai_bad_schema_is_a_400_naming_response_format(split_stack):
+    client = split_stack.client
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "x"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "objekt"}}})
+    assert info.value.body["param"] == "response_format"
+    assert "objekt" in info.value.message
