@@ -55,8 +55,9 @@ HTTP_STATUS = {
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 429: "rate_limit_error"}
 # The request field a servicer message starts with -> the OpenAI field it came from.
-_PARAM_NAMES = {"chat.tools": "tools", "chat.tool_choice": "tool_choice", "text": "prompt", "token_ids": "prompt", "prompt": "prompt",
-                "chat": "messages", "stop.stop": "stop", "model": "model", "logprobs": "logprobs"}
+_PARAM_NAMES = {"chat.tools": "tools", "chat.tool_choice": "tool_choice", "text": "prompt",
+                "token_ids": "prompt", "prompt": "prompt", "chat": "messages", "stop.stop": "stop",
+                "model": "model", "logprobs": "logprobs", "structured_output": "response_format"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; this completion's deadline
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0

@@ -8,13 +8,18 @@ pairing of `logprobs` and `top_logprobs`), are checked.
 
 `n` > 1 runs n requests through the same path. With a `seed`, choice i uses seed + i: each
 choice is reproducible and the choices differ from one another.
+
+`response_format` becomes the request's structured_output: `json_object` any JSON object,
+`json_schema` its `schema` (an absent schema: any JSON value). The schema is enforced by a
+grammar whether or not `strict` is set, so a completion that is not cut short by max_tokens
+always parses and validates.
 """
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.v1 import generate_pb2
 
@@ -101,6 +106,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_proto(self) -> generate_pb2.StructuredOutput | None:
+        """The structured_output this format asks for (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return generate_pb2.StructuredOutput(json_object=generate_pb2.JsonObject())
+        if self.json_schema is None:
+            raise OpenAIError("response_format", "response_format.json_schema is required "
+                                                 "when type is json_schema")
+        schema = self.json_schema.json_schema if self.json_schema.json_schema is not None \
+            else {}
+        return generate_pb2.StructuredOutput(json_schema=json.dumps(schema))
+
+
 class _CommonRequest(_Strict):
     """The fields chat and text completions share; None means 'the router's default'."""
 
@@ -123,6 +154,7 @@ class _CommonRequest(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
     # Each choice (and each streamed chunk) also carries the ids of the tokens it adds, as
     # vLLM's extra of this name does: clients that count tokens per chunk (tandem bench) need
     # them, and a chunk whose text is held back still reports its tokens.
@@ -161,6 +193,9 @@ class _CommonRequest(_Strict):
         stop.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         stop.stop_token_ids.extend(self.stop_token_ids or [])
         stop.ignore_eos = self.ignore_eos
+        structured = self.response_format.to_proto() if self.response_format else None
+        if structured is not None:
+            message.structured_output.CopyFrom(structured)
 
 
 class ChatCompletionRequest(_CommonRequest):

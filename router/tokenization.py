@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tandem.common.checkpoint_files import eos_token_ids
+from tandem.common.structured_output import StructuredOutput, grammar_error
 from tandem.router.tool_calls import (ToolSpec, call_grammar, detect_format,
                                       single_token_markers)
 from tandem.router.validation import ModelLimits
@@ -54,6 +55,11 @@ class ModelFrontend:
         messages, tools = template_inputs(request.chat)
         return await loop.run_in_executor(self._executor, self._apply_chat_template, messages,
                                           tools)
+
+    async def structured_output_error(self, spec: StructuredOutput) -> str | None:
+        """Why the spec does not compile (None: it does), checked on the thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, grammar_error, spec)
 
     async def text(self, token_ids: list[int]) -> str:
         """The text of `token_ids` (ids checked against the vocabulary by the caller)."""

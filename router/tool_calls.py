@@ -210,7 +210,10 @@ def call_grammar(fmt: str, tools: Sequence[ToolSpec], parallel: bool,
         "properties": {"name": {"const": tool.name},
                        arguments_key: tool.parameters or {"type": "object"}},
         "required": ["name", arguments_key], "additionalProperties": False}
-        for tool in tools]}
+        for tool in tools],
+        # At most one space between JSON tokens: the templates' own style (`"name": "f"`) or
+        # compact, never a run of blanks a model could spend its tokens on.
+        "x-guidance": {"whitespace_pattern": " ?"}}
     if fmt == HERMES:
         opener, closer = (marker if marker in single_tokens else json.dumps(marker)
                           for marker in (_HERMES_OPEN, _HERMES_CLOSE))

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from tandem.common.convert import structured_output_from_proto
 from tandem.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.common.structured_output import StructuredOutput
 from tandem.router.tool_calls import NAME_PATTERN
 from tandem.v1 import generate_pb2
 
@@ -83,6 +85,10 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
                                    f"[0, {limits.vocab_size})")
     if kind == "chat":
         _check_chat(request.chat, limits)
+        if request.chat.tool_choice not in ("", "auto", "none") \
+                and request.HasField("structured_output"):
+            raise _invalid(f"structured_output: chat.tool_choice={request.chat.tool_choice!r} "
+                           "already decides the answer's shape; give one of them")
     stop = request.stop
     if len(stop.stop) > MAX_STOP_STRINGS:
         raise _invalid(f"stop.stop: at most {MAX_STOP_STRINGS} stop strings")
@@ -104,6 +110,18 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
     for field, value in request.sampling.ListFields():
         if isinstance(value, float) and not math.isfinite(value):
             raise _invalid(f"sampling.{field.name}={value} must be a finite number")
+    structured_output(request)
+
+
+def structured_output(request: generate_pb2.GenerateRequest) -> StructuredOutput | None:
+    """The request's output spec (None: free text); INVALID_ARGUMENT when it is malformed.
+    Whether it compiles is checked separately (`grammar_error`, off the event loop)."""
+    if not request.HasField("structured_output"):
+        return None
+    try:
+        return structured_output_from_proto(request.structured_output)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from exc
 
 
 def _check_num_chars(field: str, num_chars: int, limits: ModelLimits) -> None:
@@ -200,6 +218,7 @@ def resolve_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int
               "logprobs": request.logprobs if request.HasField("logprobs") else None}
     for field, value in sampling.ListFields():
         values[field.name] = value
+    values["structured_output"] = structured_output(request)
     try:
         return SamplingParams(**values)
     except ValueError as exc:  # "SamplingParams.top_p=1.5 must be in (0, 1]"

@@ -223,12 +223,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Runs an engine command that queues a request; its refusal becomes the status that
         names it."""
         try:
-            await self.engine.call(command)
+            seq = await self.engine.call(command)
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except AlreadyExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._await_grammar(context, seq)
+
+    async def _await_grammar(self, context, seq) -> None:
+        """Waits (on the event loop, holding nothing in the engine) until a constrained
+        request's grammar has compiled; INVALID_ARGUMENT naming the problem when it cannot."""
+        if seq.grammar is None:
+            return
+        try:
+            # shield: a cancelled call must not cancel a compile that other requests share
+            await asyncio.shield(asyncio.wrap_future(seq.grammar.compiled))
+        except ValueError as exc:
+            self._abort_soon(seq.request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _next_event(self, stream: asyncio.Queue, context) -> TokenEvent:
@@ -340,7 +353,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     prompt, generated, params, request_id, deadline=call_deadline))
             except OutOfRangeError as exc:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+            except ValueError as exc:  # a structured_output grammar known not to compile
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if seq is not None:
+                await self._await_grammar(context, seq)
                 return seq
             if time.monotonic() > deadline:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -211,7 +211,6 @@ def test_repeated_prompt_reports_cached_tokens(client, model):
 
 @pytest.mark.parametrize("fields, param", [
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
 ])
 def test_unsupported_field_is_a_400_naming_it(client, model, fields, param):

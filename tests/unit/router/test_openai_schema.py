@@ -1,6 +1,8 @@
 """The OpenAI request bodies -> GenerateRequests: every supported field reaches the proto."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -115,7 +117,34 @@ def test_unknown_fields_are_refused_even_inside_messages():
     ("chat.tools[1].name='f' is declared twice", "tools"),
     ("chat.tool_choice='g' is not auto, none, required", "tool_choice"),
     ("model='x' is not served here", "model"),
+    ("structured_output.json_schema is not valid JSON: ...", "response_format"),
+    ("structured_output: one of json_schema, ...", "response_format"),
     ("router is shutting down", None),
 ])
 def test_servicer_messages_map_to_openai_params(message, param):
     assert _param_of(message) == param
+
+
+def test_response_format_becomes_structured_output():
+    chat = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    [message] = ChatCompletionRequest(messages=chat, response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": schema, "strict": True}},
+    ).to_generate_requests("c")
+    assert json.loads(message.structured_output.json_schema) == schema
+    [message] = CompletionRequest(prompt="x", response_format={"type": "json_object"}) \
+        .to_generate_requests("c")
+    assert message.structured_output.WhichOneof("format") == "json_object"
+    [message] = ChatCompletionRequest(messages=chat, response_format={"type": "text"}) \
+        .to_generate_requests("c")
+    assert not message.HasField("structured_output")
+    [message] = ChatCompletionRequest(messages=chat, response_format={
+        "type": "json_schema", "json_schema": {"name": "any"}}).to_generate_requests("c")
+    assert json.loads(message.structured_output.json_schema) == {}
+    with pytest.raises(OpenAIError) as info:
+        ChatCompletionRequest(messages=chat, response_format={"type": "json_schema"}) \
+            .to_generate_requests("c")
+    assert info.value.param == "response_format"
+    with pytest.raises(ValidationError, match="response_format"):
+        ChatCompletionRequest(messages=chat, response_format={"type": "yaml"})
