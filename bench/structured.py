@@ -3,7 +3,7 @@
     python -m tandem.bench.structured validity                  # offline LLM, default model
     python -m tandem.bench.structured validity --stack          # tandem up --prefill 1 --decode 1
     python -m tandem.bench.structured tpot --batch 32           # decode step with vs without
-    python -m tandem.bench.structured tpot --device cuda        # the same on a GPU
+    python -m tandem.bench.structured tpot --device cuda --model DIR [--load-format dummy]
 
 `validity`: --num-requests requests (half greedy over distinct prompts, half sampled with a
 seed each) constrained by a JSON schema with nested objects, arrays, enums, required fields and
@@ -131,7 +131,8 @@ def run_validity_offline(args) -> dict:
 
     cases = _cases(args.num_requests)
     prompts = _prompts(len(cases))
-    with LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=64) as llm:
+    with LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=64,
+             load_format=args.load_format) as llm:
         started = time.monotonic()
         outputs = llm.generate(prompts, [params for _, _, params in cases])
         seconds = time.monotonic() - started
@@ -195,7 +196,7 @@ def run_tpot(args) -> dict:
     prompts = _prompts(args.batch)
     rows = {"unconstrained": [], "constrained": []}
     with LLM(args.model, dtype=args.dtype, device=args.device,
-             max_num_seqs=max(64, args.batch)) as llm:
+             max_num_seqs=max(64, args.batch), load_format=args.load_format) as llm:
         engine = llm.engine
         engine.grammars.compile(spec).result()  # the compile is not what is measured
         ids = [llm.tokenizer.encode(p) for p in prompts]
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="an HF folder (default: the default model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, auto on GPU")
+    parser.add_argument("--load-format", default="auto",
+                        help="dummy: random weights (a model folder without safetensors)")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--stack", action="store_true",
                         help="validity through tandem up --prefill 1 --decode 1")
