@@ -96,3 +96,19 @@ def test_good_tools_pass():
     for choice in ("", "auto", "none", "required", "f"):
         check_request(tool_chat([("f", schema), ("g-2", "")], choice=choice), TOOL_LIMITS)
     check_request(tool_chat(role="tool", tool_call_id="call_1"), TOOL_LIMITS)
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    (generate_pb2.StructuredOutput(regex=""), "structured_output.regex is empty"),
+    (generate_pb2.StructuredOutput(), "structured_output: one of"),
+    (generate_pb2.StructuredOutput(json_schema="x" * 100_001), "at most 100000"),
+    (generate_pb2.StructuredOutput(choice=generate_pb2.Choice(choices=["a", ""])),
+     "structured_output.choice has an empty string"),
+])
+def test_malformed_structured_output_is_invalid_argument(spec, fragment):
+    request = generate_pb2.GenerateRequest(text="x", structured_output=spec)
+    request.structured_output.SetInParent()
+    with pytest.raises(RequestError) as info:
+        check_request(request, LIMITS)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in info.value.message
