@@ -92,17 +92,17 @@ class GrammarMasker:
             self._executor = LLExecutor()
         vocab_size = logits.shape[1]
         num_words = -(-vocab_size // BITS_PER_WORD)
-        bitmask = np.zeros((len(rows), num_words), dtype=np.int32)  # [R, W]
+        # [B, W]: every bit set (all allowed) in unconstrained rows, so one in-place fill
+        # covers the whole batch.
+        bitmask = np.full((len(seqs), num_words), -1, dtype=np.int32)
         matchers = []
-        for slot, row in enumerate(rows):
+        for row in rows:
             grammar = seqs[row].grammar
             grammar.start(seqs[row])
-            matchers.append((grammar.matcher, slot))
+            matchers.append((grammar.matcher, row))
         fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         self._allow_eos_in_dead_rows(bitmask, vocab_size)
-        allowed = self._unpack(torch.from_numpy(bitmask), logits.device, vocab_size)  # [R, V]
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[index] = logits[index].masked_fill_(~allowed, -torch.inf)
+        logits.masked_fill_(~self._allowed(bitmask, logits.device, vocab_size), -torch.inf)
 
     def _allow_eos_in_dead_rows(self, bitmask: np.ndarray, vocab_size: int) -> None:
         """A matcher in error allows nothing; let it end the request instead of sampling from
@@ -113,13 +113,23 @@ class GrammarMasker:
             if token < vocab_size:
                 words[dead, token // BITS_PER_WORD] |= np.uint32(1 << (token % BITS_PER_WORD))
 
-    def _unpack(self, bitmask: torch.Tensor, device: torch.device,
-                vocab_size: int) -> torch.Tensor:
-        """[R, W] int32 words (bit b of word w: token 32w + b) -> [R, V] bool on device."""
+    def _allowed(self, bitmask: np.ndarray, device: torch.device,
+                 vocab_size: int) -> torch.Tensor:
+        """[B, W] int32 words (bit b of word w: token 32w + b) -> [B, V] bool on device. On
+        CPU numpy unpacks the bits; on a GPU the words (V/8 bytes a row) cross and unpack
+        there."""
+        if device.type == "cpu":
+            bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size,
+                                 bitorder="little")  # [B, V] uint8
+            return torch.from_numpy(bits.view(np.bool_))
+        return self._unpack_on_device(bitmask, device, vocab_size)
+
+    def _unpack_on_device(self, bitmask: np.ndarray, device: torch.device,
+                          vocab_size: int) -> torch.Tensor:
         shifts = self._shifts.get(device)
         if shifts is None:
             shifts = self._shifts[device] = torch.arange(BITS_PER_WORD, dtype=torch.int32,
                                                          device=device)
-        words = bitmask.to(device, non_blocking=True)
-        bits = (words[:, :, None] >> shifts) & 1  # [R, W, 32]
+        words = torch.from_numpy(bitmask).to(device, non_blocking=True)
+        bits = (words[:, :, None] >> shifts) & 1  # [B, W, 32]
         return bits.view(words.shape[0], -1)[:, :vocab_size].bool()

@@ -9,6 +9,7 @@ import re
 from concurrent.futures import Future
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from helpers.checkpoints import VOCAB, random_prompts
@@ -17,7 +18,7 @@ from test_disaggregation import run_to_completion, transfer
 from tandem import LLM, SamplingParams
 from tandem.common.structured_output import StructuredOutput, grammar_error
 from tandem.workers.engine.grammar_cache import GrammarCompiler
-from tandem.workers.engine.grammar_mask import RequestGrammar
+from tandem.workers.engine.grammar_mask import GrammarMasker, RequestGrammar
 from tandem.workers.engine.sampler import Sampler
 from tandem.workers.engine.sequence import Sequence
 
@@ -243,3 +244,16 @@ def test_prefill_there_decode_here_gives_one_engines_tokens(checkpoint, llm):
             run_to_completion(llm.engine)
             assert seq.completion_token_ids == single[i].token_ids
             assert seq.finish_reason.value == "stop"
+
+
+def test_the_gpu_unpacking_matches_the_cpu_one():
+    """The tensor-op unpacking a GPU runs, run here on CPU against numpy's."""
+    masker = GrammarMasker((EOS,))
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-2**31, 2**31, size=(5, -(-VOCAB // 32)), dtype=np.int64) \
+        .astype(np.int32)
+    cpu = masker._allowed(bitmask, torch.device("cpu"), VOCAB)
+    tensor_ops = masker._unpack_on_device(bitmask, torch.device("cpu"), VOCAB)
+    assert cpu.shape == (5, VOCAB) and torch.equal(cpu, tensor_ops)
+    token = 37
+    assert bool(cpu[0, token]) == bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
