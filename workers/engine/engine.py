@@ -96,6 +96,19 @@ class LLMEngine:
         a grammar that fails to compile ends it (ABORT) unless the failure is already known,
         which raises ValueError here.
         """
+        seq = self._new_sequence(prompt_token_ids, params, request_id, deadline)
+        seq.pin_after_prefill = pin_after_prefill
+        self._attach_grammar(seq)
+        self.requests[seq.request_id] = seq
+        if seq.grammar is not None and not seq.grammar.is_ready:
+            self.awaiting_grammar.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str | None, deadline: float | None) -> Sequence:
+        """A sequence for a request that can run here (not yet registered or queued)."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("prompt is empty")
@@ -106,20 +119,20 @@ class LLMEngine:
         if request_id is not None and request_id in self.requests:
             raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, request_id)
-        seq.pin_after_prefill = pin_after_prefill
         seq.deadline = deadline
-        if params.structured_output is not None:
-            seq.grammar = RequestGrammar(self.grammars.compile(params.structured_output))
-            failure = seq.grammar.failure()
-            if failure is not None:
-                raise ValueError(failure)
-            self.num_constrained_requests += 1
-        self.requests[seq.request_id] = seq
-        if seq.grammar is not None and not seq.grammar.is_ready:
-            self.awaiting_grammar.append(seq)
-        else:
-            self.scheduler.add(seq)
         return seq
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """Start (or share) the compile of a constrained request's grammar; ValueError when
+        it is already known not to compile."""
+        spec = seq.sampling_params.structured_output
+        if spec is None:
+            return
+        seq.grammar = RequestGrammar(self.grammars.compile(spec))
+        failure = seq.grammar.failure()
+        if failure is not None:
+            raise ValueError(failure)
+        self.num_constrained_requests += 1
 
     def resume_request(self, prompt_token_ids: list[int], generated_token_ids: list[int],
                        params: SamplingParams, request_id: str, *,
@@ -200,15 +213,12 @@ class LLMEngine:
         """
         if not generated_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
-        seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
-        if seq in self.awaiting_grammar:
-            self.awaiting_grammar.remove(seq)
-        else:
-            self.scheduler.waiting.remove(seq)
+        seq = self._new_sequence(prompt_token_ids, params, request_id, deadline)
         seq.token_ids.extend(generated_token_ids)
         if not self.block_manager.can_allocate(seq):
-            self.requests.pop(seq.request_id)
             return None
+        self._attach_grammar(seq)
+        self.requests[seq.request_id] = seq
         self.block_manager.allocate(seq)
         seq.num_prefix_hit_tokens = seq.num_cached_tokens
         seq.status = SequenceStatus.RECEIVING

@@ -257,3 +257,19 @@ def test_the_gpu_unpacking_matches_the_cpu_one():
     assert cpu.shape == (5, VOCAB) and torch.equal(cpu, tensor_ops)
     token = 37
     assert bool(cpu[0, token]) == bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+
+
+def test_reserve_retries_waiting_for_blocks_count_the_request_once(checkpoint):
+    """A decode worker retries reserve_prefilled while blocks are short; only the reservation
+    that succeeds counts as a constrained request and a cache lookup."""
+    engine = LLM(checkpoint("llama").path, dtype="float32", num_kv_blocks=4,
+                 max_model_len=64).engine
+    assert engine.reserve_prefilled(list(range(1, 21)), [5], SamplingParams(), "hog")
+    params = SamplingParams(max_tokens=8, structured_output=CHOICE_SPEC)
+    hits = engine.grammars.num_cache_hits
+    for _ in range(3):  # 41 tokens need 3 blocks; 2 are free
+        assert engine.reserve_prefilled(list(range(1, 41)), [5], params, "big") is None
+    assert engine.num_constrained_requests == 0 and engine.grammars.num_cache_hits == hits
+    assert list(engine.requests) == ["hog"]
+    assert engine.reserve_prefilled([1, 2, 3], [5], params, "small") is not None
+    assert engine.num_constrained_requests == 1
