@@ -52,7 +52,7 @@ class WorkerMetricsRecorder:
         engine, m = self.engine, self.metrics
         manager = engine.block_manager
         m.num_requests_running.set(len(engine.scheduler.running))
-        m.num_requests_waiting.set(len(engine.scheduler.waiting))
+        m.num_requests_waiting.set(len(engine.scheduler.waiting) + len(engine.awaiting_grammar))
         m.kv_cache_usage.set(manager.usage)
         m.num_kv_blocks_used.set(manager.num_blocks - manager.num_free_blocks)
         m.kv_handles_pinned.set(len(engine.pinned))

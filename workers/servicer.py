@@ -166,7 +166,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         manager = engine.block_manager
         return worker_pb2.GetLoadResponse(
             role=self.role, num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting), kv_usage=manager.usage,
+            num_waiting=len(engine.scheduler.waiting) + len(engine.awaiting_grammar),
+            kv_usage=manager.usage,
             num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
             model=self.model_name)
 
