@@ -273,3 +273,17 @@ def test_reserve_retries_waiting_for_blocks_count_the_request_once(checkpoint):
     assert list(engine.requests) == ["hog"]
     assert engine.reserve_prefilled([1, 2, 3], [5], params, "small") is not None
     assert engine.num_constrained_requests == 1
+
+
+def test_a_request_waiting_for_its_grammar_can_be_aborted_or_expire(llm, monkeypatch):
+    engine = llm.engine
+    gate: Future = Future()
+    monkeypatch.setattr(engine.grammars, "compile", lambda spec: gate)
+    params = SamplingParams(max_tokens=8, structured_output=CHOICE_SPEC)
+    aborted = engine.add_request([1, 2, 3], params, "aborted")
+    expired = engine.add_request([1, 2, 3], params, "expired", deadline=0.0)
+    assert engine.abort("aborted") and aborted.finish_reason.value == "abort"
+    engine.step()  # drops the expired one before scheduling
+    assert expired.is_finished and not engine.awaiting_grammar and not engine.requests
+    assert not engine.has_unfinished
+    gate.set_exception(ValueError("never needed"))
