@@ -90,6 +90,16 @@ class AsyncEngine:
         then gets CancelledError and the result is dropped)."""
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
 
+    async def run_kv_ops(self, ops: list) -> list:
+        """KV rank ops (kv/rank_ops.py) on every rank of the executor, on the engine thread
+        between two steps; rank 0's answer to each."""
+        return await self.call(lambda e: e.executor.run_kv_ops(ops))
+
+    def submit_kv_ops(self, ops: list) -> concurrent.futures.Future:
+        """run_kv_ops for a caller that cannot await (a cancelled transfer's clean-up): queued
+        now, after every command queued before, and never dropped."""
+        return self.submit(lambda e: e.executor.run_kv_ops(ops))
+
     def seconds_without_progress(self) -> float:
         """Seconds since the engine thread last finished a step, a batch of commands or an
         idle wait: it stays small while the engine works or idles, and grows only while one

@@ -30,7 +30,9 @@ from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.warm_up import warm_up
 from tandem.workers.engine_health import EngineHealthWatch
 from tandem.common.kv_layout import KVLayout
+from tandem.common.kv_exports import cuda_ipc_cache_from_bytes
 from tandem.workers.kv.block_access import kv_block_access
+from tandem.workers.kv.rank_group import RankGroupKV
 from tandem.workers.kv.receiver import KVReceiver
 from tandem.workers.kv import nixl_backend
 from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
@@ -208,31 +210,29 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
-    layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
-                                     tp_size=engine.config.tensor_parallel_size,
+    kv_caches = engine.executor.kv_caches
+    tp_size = engine.executor.tp_size
+    layout = KVLayout.from_kv_caches(kv_caches, tp_rank=0, tp_size=tp_size,
                                      kind=kv_cache_kind(engine.model))
-    blocks = kv_block_access(
-        engine.runner.kv_caches, engine.config.tensor_parallel_size,
-        gather=lambda ids: async_engine.call(lambda e: e.runner.gather_kv_blocks(ids)),
-        scatter=lambda ids, joined: async_engine.call(
-            lambda e: e.runner.scatter_kv_blocks(ids, joined)))
+    ranks = RankGroupKV(async_engine, tp_size)
+    blocks = kv_block_access(kv_caches, tp_size, gather=ranks.gather, scatter=ranks.scatter)
     peers = PeerChannels(tls, internal_token)
-    device = engine.runner.kv_caches[0][0].device
-    tp_size = engine.config.tensor_parallel_size
-    nixl_agent = await _nixl_agent(args.kv_transfer, async_engine, layout)
+    device = kv_caches[0][0].device
+    nixl_agent = await _nixl_agent(args.kv_transfer, kv_caches, ranks, layout)
     transports = offered_transports(args.kv_transfer, device.type,
                                     nixl_ready=nixl_agent is not None)
     rank_caches = None
     if tp_size > 1 and CUDA_IPC in transports:
-        # Every rank compiles its gather and exports its cache (parallel/ipc_ranks.py).
-        rank_caches = await async_engine.call(lambda e: e.runner.setup_kv_ipc())
+        # Every rank compiles its gather and exports its cache (kv/ipc_ranks.py).
+        rank_caches = [cuda_ipc_cache_from_bytes(data)
+                       for data in await ranks.backend(CUDA_IPC).setup(layout)]
     exporter = None
     if CUDA_IPC in transports:
         from tandem.workers.kv.cuda_ipc import CudaIpcExporter
 
-        exporter = CudaIpcExporter(engine.runner.kv_caches, layout, rank_caches)
-    receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
-                          tp_size, nixl_agent, engine=async_engine)
+        exporter = CudaIpcExporter(kv_caches, layout, rank_caches)
+    receiver = KVReceiver(args.kv_transfer, layout, blocks, kv_caches, device,
+                          tp_size, nixl_agent, ranks=ranks)
     logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))
     interceptors = ([InternalTokenInterceptor(internal_token,
                                                tuple(f"/{name}/" for name in SERVICE_NAMES))]
@@ -306,20 +306,19 @@ def _exit_without_teardown(engine) -> None:
     os._exit(LOST_FOLLOWER_EXIT_CODE)
 
 
-async def _nixl_agent(mode: str, async_engine: AsyncEngine, layout: KVLayout):
-    """This worker's NIXL agent over its cache (TP: a nixl_ranks.RankGroupNixl, an agent per
-    rank), or None (transport.py says when). In nixl mode a failure stops the worker
+async def _nixl_agent(mode: str, kv_caches, ranks: RankGroupKV, layout: KVLayout):
+    """This worker's NIXL agent over its cache (TP: a nixl_receiver.RankGroupNixl, an agent
+    per rank), or None (transport.py says when). In nixl mode a failure stops the worker
     (ValueError); in auto it is logged and nixl is not offered."""
-    runner = async_engine.engine.runner
-    device_type = runner.kv_caches[0][0].device.type
+    device_type = kv_caches[0][0].device.type
     if not nixl_wanted(mode, device_type, nixl_backend.is_installed()):
         return None
     try:
         if layout.tp_size > 1:
-            from tandem.workers.parallel.nixl_ranks import RankGroupNixl
+            from tandem.workers.kv.nixl_receiver import RankGroupNixl
 
-            return await RankGroupNixl.start(async_engine, layout)
-        return await asyncio.to_thread(nixl_backend.NixlKVAgent, runner.kv_caches, layout)
+            return await RankGroupNixl.start(ranks, layout)
+        return await asyncio.to_thread(nixl_backend.NixlKVAgent, kv_caches, layout)
     except (nixl_backend.NixlUnavailable, ValueError) as exc:
         if mode == NIXL:
             raise ValueError(f"--kv-transfer nixl: {exc}") from exc
