@@ -17,10 +17,11 @@ import time
 
 import grpc
 
-from tandem.common.convert import (cuda_ipc_export_from_proto, cuda_ipc_export_to_proto,
+from tandem.common.convert import (connector_export_from_proto, connector_export_to_proto,
+                                   cuda_ipc_export_from_proto, cuda_ipc_export_to_proto,
                                    kv_lease_from_proto, layout_from_proto, layout_to_proto,
                                    nixl_export_from_proto, nixl_export_to_proto)
-from tandem.common.kv_exports import CudaIpcExport, KVLease, NixlAgentExport
+from tandem.common.kv_exports import ConnectorExport, CudaIpcExport, KVLease, NixlAgentExport
 from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -35,13 +36,14 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
 
     def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess,
-                 exporter=None, nixl_agent=None) -> None:
+                 exporter=None, nixl_agent=None, connectors: dict | None = None) -> None:
         self.engine = engine
         self.layout = layout
         self.blocks = blocks
         self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
-        # a nixl_backend.NixlKVAgent (TP: a nixl_ranks.RankGroupNixl) when nixl is offered
+        # a nixl_backend.NixlKVAgent (TP: a nixl_receiver.RankGroupNixl) when nixl is offered
         self.nixl_agent = nixl_agent
+        self.connectors = connectors or {}  # name -> kv.connector.KVConnector offered
 
     async def _check_layout(self, request, context) -> None:
         """Refuses (FAILED_PRECONDITION) a receiver whose expected layout ours cannot fill."""
@@ -90,6 +92,15 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 "this worker does not offer nixl (--kv-transfer grpc or "
                                 "cuda-ipc, nixl not installed, or a CPU cache under auto)")
         return nixl_export_to_proto(self.nixl_agent.export())
+
+    async def ExportConnector(self, request, context):
+        await self._check_layout(request, context)
+        connector = self.connectors.get(request.backend)
+        if connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker does not offer {request.backend!r} (offered "
+                                f"connectors: {sorted(self.connectors) or 'none'})")
+        return connector_export_to_proto(connector.export())
 
     async def LeaseKV(self, request, context):
         block_ids, lease_seconds = await self.engine.call(
@@ -171,6 +182,13 @@ class KVPeerClient:
             worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
             timeout=timeout)
         return nixl_export_from_proto(response)
+
+    async def export_connector(self, backend: str, timeout: float | None) -> ConnectorExport:
+        response = await self._stub.ExportConnector(
+            worker_pb2.ExportConnectorRequest(backend=backend,
+                                              expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        return connector_export_from_proto(response)
 
     async def lease(self, handle_id: str, start_block: int, timeout: float | None) -> KVLease:
         response = await self._stub.LeaseKV(

@@ -13,12 +13,13 @@ import time
 
 import grpc
 
-from tandem.common.convert import (cuda_ipc_endpoint_to_proto, engine_params_from_proto,
+from tandem.common.convert import (connector_endpoint_to_proto, cuda_ipc_endpoint_to_proto,
+                                   engine_params_from_proto,
                                    finish_reason_to_proto, kv_handle_from_proto,
                                    layout_from_proto, layout_to_proto, logprob_to_proto,
                                    nixl_endpoint_to_proto)
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
-from tandem.common.kv_exports import CudaIpcEndpoint, NixlEndpoint
+from tandem.common.kv_exports import ConnectorEndpoint, CudaIpcEndpoint, NixlEndpoint
 from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
@@ -66,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  kv_transports: list[str] | None = None,
                  cuda_ipc_endpoint: CudaIpcEndpoint | None = None,
                  nixl_endpoint: NixlEndpoint | None = None,
+                 connector_endpoints: dict[str, ConnectorEndpoint] | None = None,
                  kv_pull_failure: str = "recompute") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
@@ -84,6 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
         self.cuda_ipc_endpoint = cuda_ipc_endpoint
         self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
+        self.connector_endpoints = connector_endpoints or {}  # connector backends offered
         self.kv_pull_failure = kv_pull_failure
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
@@ -253,6 +256,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             lease_expires_at=time.time() + lease, transports=self.kv_transports)
         if self.nixl_endpoint is not None:
             handle.nixl.CopyFrom(nixl_endpoint_to_proto(self.nixl_endpoint))
+        for name, endpoint in self.connector_endpoints.items():
+            handle.connectors[name].CopyFrom(connector_endpoint_to_proto(endpoint))
         if self.cuda_ipc_endpoint is not None:
             handle.cuda_ipc.CopyFrom(cuda_ipc_endpoint_to_proto(self.cuda_ipc_endpoint))
             if len(event.kv_blocks) >= num_blocks and event.lease_deadline > 0:

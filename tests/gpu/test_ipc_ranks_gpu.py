@@ -1,6 +1,6 @@
-"""The TP cuda-ipc copy protocol (workers/kv/ipc_ranks.py, driven by KV rank ops) with real CUDA IPC copies: two
-rank processes (on cuda:0 and cuda:1, or both on cuda:0 with one GPU), each the other's
-source, over a real gloo group.
+"""The TP cuda-ipc copy protocol (workers/kv/ipc_ranks.py, driven by KV rank ops) with real CUDA
+IPC copies: two rank processes (on cuda:0 and cuda:1, or both on cuda:0 with one GPU), each the
+other's source, over a real gloo group.
 
 * A posted copy, polled until settled, lands every rank's blocks bit for bit (block-major
   caches, as ModelRunner allocates them), and no rank keeps the copy afterwards.

@@ -33,6 +33,7 @@ from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable, PostedRead
+from tandem.workers.kv.rank_connector import rank_export
 from tandem.workers.kv.rank_transfers import DONE, FAILED, PENDING
 from tandem.workers.kv.transport import KVTransferFailed
 
@@ -65,16 +66,15 @@ class RankNixl:
         return self._export
 
     def add_peer(self, slot: int, export: bytes) -> bool:
-        """Loads the source's agent of this rank's number (a NixlAgentExport with `ranks`,
-        to_bytes) under `slot`; False, logged, when it cannot be."""
+        """Loads the source's agent of this rank's number (every rank's NixlAgentExport,
+        to_bytes, packed by pack_rank_exports) under `slot`; False, logged, when it cannot
+        be."""
         self.remove_peer(slot)
         try:
             if self.agent is None:
                 raise NixlUnavailable("this rank has no NIXL agent")
-            source = nixl_export_from_bytes(export)
-            if len(source.ranks) <= self.rank:
-                raise ValueError(f"the source exported {len(source.ranks)} rank agents")
-            self._peers[slot] = self.agent.add_peer(source.ranks[self.rank])
+            source = nixl_export_from_bytes(rank_export(export, self.rank))
+            self._peers[slot] = self.agent.add_peer(source)
         except (NixlUnavailable, ValueError) as exc:
             logger.warning("rank %d: loading NIXL source %d failed: %s", self.rank, slot, exc)
             return False

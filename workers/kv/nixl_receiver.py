@@ -28,6 +28,7 @@ from tandem.common.logging import get_logger
 from tandem.workers.kv import transport
 from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable
 from tandem.workers.kv.nixl_ranks import merge_rank_exports
+from tandem.workers.kv.rank_connector import pack_rank_exports
 from tandem.workers.kv.source import KVSource
 
 logger = get_logger(__name__)
@@ -80,7 +81,8 @@ class RankGroupNixl:
         if len(export.ranks) != self.tp_size:
             raise NixlUnavailable(f"the source exported {len(export.ranks)} rank agents, "
                                   f"this worker has {self.tp_size} ranks")
-        slot, failed = await self._ranks.add_peer(to_bytes(export))
+        slot, failed = await self._ranks.add_peer(
+            pack_rank_exports([to_bytes(rank) for rank in export.ranks]))
         if failed:
             await self._ranks.remove_peer(slot)
             raise NixlUnavailable(f"loading the source's agents failed on rank(s) {failed} "

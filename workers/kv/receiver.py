@@ -1,7 +1,7 @@
 """Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
 
     receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
-                          nixl_agent, ranks)                              # worker start-up
+                          nixl_agent, ranks, connectors)                  # kv/startup.py
     num_bytes, backend = await receiver.pull(source, address, handle, block_ids, start_block,
                                              timeout)     # source: a kv.source.KVSource
 
@@ -19,6 +19,9 @@ copies its heads on its copy stream, started and polled between engine steps (ip
 nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
 LeaseKV and one NIXL READ; a TP group loads and READs on every rank, nixl_ranks.py);
 a source whose agent did not load gets grpc in auto mode.
+
+connector backends (connector.KVConnector, e.g. mori): the one the mode names, or in auto each
+the handle offers and this worker runs, after cuda-ipc and nixl and before grpc.
 """
 from __future__ import annotations
 
@@ -45,9 +48,11 @@ LEASE_MARGIN_SECONDS = 2.0
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
-                 device: torch.device, tp_size: int, nixl_agent=None, ranks=None) -> None:
+                 device: torch.device, tp_size: int, nixl_agent=None, ranks=None,
+                 connectors: dict | None = None) -> None:
         """ranks: a rank_group.RankGroupKV, needed for cuda-ipc when tp_size > 1 (every rank
-        maps and copies its share; the worker set the ranks up for cuda-ipc at start-up)."""
+        maps and copies its share; the worker set the ranks up for cuda-ipc at start-up).
+        connectors: name -> connector.KVConnector this worker runs."""
         transport.check_kv_transfer(mode, device.type)
         self.mode = mode
         self.layout = layout
@@ -59,6 +64,7 @@ class KVReceiver:
         self._peers: dict[str, _LocalPeer | _RankGroupPeer] = {}  # address -> its mapping
         self._slots: dict[str, int] = {}  # TP: address -> slot of its mapping on the ranks
         self._ranks = ranks.backend(transport.CUDA_IPC) if ranks is not None else None
+        self.connectors = connectors or {}
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
@@ -89,6 +95,9 @@ class KVReceiver:
         """Returns (bytes moved, backend used). Raises what the source's calls raise
         (grpc.aio.AioRpcError), ValueError, transport.KVTransportUnavailable or
         transport.KVTransferFailed; blocks may be half written then (abort the request)."""
+        if self.mode in self.connectors:
+            return await self._pull_connector(source, address, handle, block_ids,
+                                              start_block, timeout)
         endpoint = handle.cuda_ipc
         transports = list(handle.transports)
         backend, why = self._choose(transports, endpoint)
@@ -118,12 +127,33 @@ class KVReceiver:
                 raise transport.KVTransportUnavailable(
                     f"--kv-transfer nixl: {failure} (peer {address})")
             why = f"nixl: {failure}"
+        for name, connector in self.connectors.items():  # auto: what cuda-ipc and nixl left
+            if name in transports:
+                num_bytes, failure = await connector.pull(source, address, handle, block_ids,
+                                                          start_block, timeout)
+                if failure is None:
+                    return num_bytes, name
+                why = f"{why}; {name}: {failure}" if why else f"{name}: {failure}"
         if address not in self._logged:
             logger.info("KV from %s over grpc: %s", address, why)
             self._logged.add(address)
         num_bytes = await source.pull_blocks(handle, self.blocks, block_ids, start_block,
                                              timeout)
         return num_bytes, transport.GRPC
+
+    async def _pull_connector(self, source, address, handle, block_ids, start_block,
+                              timeout) -> tuple[int, str]:
+        """--kv-transfer <connector>: that backend or the reason it cannot serve."""
+        name = self.mode
+        if name not in handle.transports:
+            failure = f"the source does not offer {name}"
+        else:
+            num_bytes, failure = await self.connectors[name].pull(
+                source, address, handle, block_ids, start_block, timeout)
+            if failure is None:
+                return num_bytes, name
+        raise transport.KVTransportUnavailable(f"--kv-transfer {name}: {failure} "
+                                               f"(peer {address})")
 
     def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
         return transport.choose_transport(

@@ -1,8 +1,8 @@
-"""The cuda-ipc rank protocol (workers/kv/ipc_ranks.py, driven by the KV rank ops) over a real 2-process gloo group
-on CPU: bytes of different lengths reach every rank intact, every rank learns which ranks
-failed, and a map or copy that cannot work on a rank (here: no CUDA), or a poll of a transfer
-no rank holds, comes back as a reported failure with the group still in step. Real mappings
-and copies between GPUs: tests/gpu/test_kv_cuda_ipc_gpu.py."""
+"""The cuda-ipc rank protocol (workers/kv/ipc_ranks.py, driven by the KV rank ops) over a real
+2-process gloo group on CPU: bytes of different lengths reach every rank intact, every rank
+learns which ranks failed, and a map or copy that cannot work on a rank (here: no CUDA), or a
+poll of a transfer no rank holds, comes back as a reported failure with the group still in step.
+Real mappings and copies between GPUs: tests/gpu/test_kv_cuda_ipc_gpu.py."""
 from __future__ import annotations
 
 import json

@@ -24,6 +24,7 @@ from tandem.common.kv_exports import NixlAgentExport, to_bytes
 from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.nixl_agent import is_installed
 from tandem.workers.kv.nixl_ranks import NixlUnavailable, RankNixl, merge_rank_exports
+from tandem.workers.kv.rank_connector import pack_rank_exports
 from tandem.workers.kv.rank_ops import (AddPeer, Load, Poll, RankKV, RemovePeer, Setup,
                                         decode_ops, encode_ops)
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
@@ -74,7 +75,8 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         short = dataclasses.replace(merged, ranks=merged.ranks[:1])
 
         def load(slot: int, export: NixlAgentExport):
-            return run(AddPeer("nixl", slot, to_bytes(export)))
+            return run(AddPeer("nixl", slot,
+                               pack_rank_exports([to_bytes(r) for r in export.ranks])))
 
         transfers = itertools.count()
 
