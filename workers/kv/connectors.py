@@ -21,6 +21,7 @@ import importlib
 BACKENDS = {
     "cuda-ipc": "tandem.workers.kv.ipc_ranks",
     "nixl": "tandem.workers.kv.nixl_ranks",
+    "mori": "tandem.workers.kv.mori_connector",
 }
 BUILT_IN = ("cuda-ipc", "nixl")  # rank 0's side of their own (module docstring)
 
