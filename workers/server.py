@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how prompt KV moves between workers: auto (cuda-ipc, GPU to GPU, "
                         "between CUDA workers on one host; else nixl between CUDA workers "
                         "when nixl is installed; else grpc) | grpc | "
-                        "cuda-ipc | nixl (required: a handle that cannot use it fails; nixl "
-                        "needs the tandem[nixl] extra, and works on CPU caches too)")
+                        "cuda-ipc | nixl | mori (required: a handle that cannot use it fails; "
+                        "nixl needs the tandem[nixl] extra, and works on CPU caches too; mori, "
+                        "untested, needs ROCm and AMD's mori package)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (one per GPU; this one is "
