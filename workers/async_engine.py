@@ -5,6 +5,8 @@ The event loop never runs model code. asyncio code talks to the engine thread tw
     releasing requests; reading state). Commands are the only way engine state is touched.
   * `open_stream(request_id)`: an asyncio.Queue that receives a TokenEvent for each token of
     that request, in order; the last one has finish_reason set (or is_pinned on a prefill).
+    A request prefilled elsewhere (LLMEngine.queue_prefilled) first receives BlocksReserved
+    once the engine has allocated the blocks its KV is to be written into.
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ class TokenEvent:
     # engine set them when pinning; a KV handle names them (cuda-ipc needs no lease round trip).
     kv_blocks: tuple[int, ...] = ()
     lease_deadline: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReserved:
+    """A request prefilled elsewhere holds its blocks now (RECEIVING): its KV may be pulled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +146,10 @@ class AsyncEngine:
             if expired:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
                                ", ".join(expired))
+            reserved = engine.reserve_remote()  # blocks freed since the last turn
+            if reserved:
+                self._loop.call_soon_threadsafe(
+                    self._dispatch, [(seq.request_id, BlocksReserved()) for seq in reserved])
             if not engine.has_unfinished:
                 self._notify(None)
                 continue

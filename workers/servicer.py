@@ -25,7 +25,7 @@ from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.workers.async_engine import AsyncEngine, BlocksReserved, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
@@ -131,7 +131,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             pull_seconds = 0.0
             if request.HasField("kv_handle"):
-                pull_seconds = await self._receive_kv(request, params, prompt, generated, context)
+                pull_seconds = await self._receive_kv(request, params, prompt, generated,
+                                                      context, stream)
             elif generated:  # migrated: compute the prompt and the tokens made elsewhere
                 await self._resume(context, prompt, generated, params, request_id)
             else:
@@ -265,7 +266,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 handle.cuda_ipc.lease_deadline_monotonic = event.lease_deadline
         return handle
 
-    async def _receive_kv(self, request, params, prompt, generated, context) -> float:
+    async def _receive_kv(self, request, params, prompt, generated, context,
+                          stream: asyncio.Queue) -> float:
         """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
         and start decoding. A pull that fails (source gone, lease expired, transfer failed)
         makes the prompt computed here (`recompute`) or fails the call UNAVAILABLE (`fail`).
@@ -278,7 +280,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             layout_from_proto(handle.layout).check_readable_by(self.layout)
         except KVLayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        seq = await self._reserve(context, prompt, generated, params, request.request_id)
+        seq = await self._reserve(context, stream, prompt, generated, params,
+                                  request.request_id)
         start_block = seq.num_cached_tokens // self.layout.block_size
         block_ids = seq.block_table[start_block:handle.num_blocks]
         channel = self.peers.get(handle.source_address)
@@ -336,22 +339,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                          deadline=deadline)
         await self._queue_request(context, abort_and_resume)
 
-    async def _reserve(self, context, prompt, generated, params, request_id):
-        deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS
-        call_deadline = _deadline(context)
-        while True:
-            try:
-                seq = await self.engine.call(lambda e: e.reserve_prefilled(
-                    prompt, generated, params, request_id, deadline=call_deadline))
-            except OutOfRangeError as exc:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-            if seq is not None:
-                return seq
-            if time.monotonic() > deadline:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"no free KV blocks for {len(prompt)} tokens within "
-                                    f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
-            await asyncio.sleep(0.01)
+    async def _reserve(self, context, stream, prompt, generated, params, request_id):
+        """Queue the request for blocks to receive its KV into (WAITING_FOR_REMOTE_KVS) and
+        wait until the engine reserved them; RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS
+        (the request leaves the queue)."""
+        try:
+            seq = await self.engine.call(lambda e: e.queue_prefilled(
+                prompt, generated, params, request_id, deadline=_deadline(context)))
+        except OutOfRangeError as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        try:
+            event = await asyncio.wait_for(stream.get(), MAX_BLOCK_WAIT_SECONDS)
+        except TimeoutError:
+            self._abort_soon(request_id)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no free KV blocks for {len(prompt)} tokens within "
+                                f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
+        if isinstance(event, EngineFailure):
+            await context.abort(grpc.StatusCode.INTERNAL, event.message)
+        if not isinstance(event, BlocksReserved):
+            raise RuntimeError(f"request {request_id}: expected its blocks, got {event!r}")
+        return seq
 
 
 def _deadline(context) -> float | None:

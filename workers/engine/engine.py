@@ -159,28 +159,43 @@ class LLMEngine:
         self.num_expired_leases += len(expired)
         return expired
 
-    def reserve_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
-                          params: SamplingParams, request_id: str,
-                          deadline: float | None = None) -> Sequence | None:
-        """Allocate blocks for a request prefilled elsewhere, so its KV can be written into them.
-
-        Returns None when the blocks are not free now (retry later). The sequence is outside
-        the scheduler (status RECEIVING) until `activate_prefilled`; its leading
-        `seq.num_cached_tokens` tokens were found in the local prefix cache and need no pull.
-        """
+    def queue_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                        params: SamplingParams, request_id: str,
+                        deadline: float | None = None) -> Sequence:
+        """Queue a request prefilled elsewhere until blocks are free to write its KV into
+        (status WAITING_FOR_REMOTE_KVS, outside scheduling). `reserve_remote` allocates them,
+        in queue order, and the sequence becomes RECEIVING until `activate_prefilled`; its
+        leading `seq.num_cached_tokens` tokens were found in the local prefix cache and need no
+        pull. abort() takes it out of the queue like any request."""
         if not generated_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
         seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
         self.scheduler.waiting.remove(seq)
         seq.token_ids.extend(generated_token_ids)
-        if not self.block_manager.can_allocate(seq):
-            self.requests.pop(seq.request_id)
-            return None
-        self.block_manager.allocate(seq)
-        seq.num_prefix_hit_tokens = seq.num_cached_tokens
-        seq.status = SequenceStatus.RECEIVING
         advance_request_generator(seq, len(generated_token_ids), self.resolved.vocab_size,
                                   self.resolved.device)
+        self.scheduler.add_remote(seq)
+        return seq
+
+    def reserve_remote(self) -> list[Sequence]:
+        """Blocks for the queued prefilled requests that fit now, in queue order; the ones
+        that got them (RECEIVING)."""
+        return self.scheduler.reserve_remote()
+
+    def reserve_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                          params: SamplingParams, request_id: str,
+                          deadline: float | None = None) -> Sequence | None:
+        """queue_prefilled and reserve_remote at once, for a caller that drives the engine
+        itself: the sequence, RECEIVING, or None (nothing kept) when its blocks are not free
+        now or other prefilled requests wait before it."""
+        if self.scheduler.waiting_for_remote_kvs:
+            return None
+        seq = self.queue_prefilled(prompt_token_ids, generated_token_ids, params, request_id,
+                                   deadline)
+        if self.reserve_remote() != [seq]:
+            self.scheduler.waiting_for_remote_kvs.remove(seq)
+            self.requests.pop(seq.request_id)
+            return None
         return seq
 
     def activate_prefilled(self, seq: Sequence, num_computed_tokens: int) -> None:
