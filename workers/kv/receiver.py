@@ -84,7 +84,7 @@ class KVReceiver:
 
                 self._copies = CoalescedCopies(torch.cuda.Stream(device))
                 # The first handoff would otherwise compile the gather inside a request's TTFT
-                # (TP ranks compile theirs in setup_kv_ipc).
+                # (TP ranks compile theirs when their cuda-ipc connector is set up).
                 cuda_ipc.BlockCopier(self._local, self._local).precompile()
             elif ranks is None:
                 raise ValueError("KVReceiver: cuda-ipc under TP needs the rank group")

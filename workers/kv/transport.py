@@ -5,12 +5,12 @@ Prefill side: every handle offers "grpc"; it also offers
   "cuda-ipc" (with the host identity, device and export id in KVHandle.cuda_ipc) when the mode
              is auto or cuda-ipc and the cache is on a CUDA device; under TP every rank's
              cache is exported (rank r of the receiver copies from rank r of the source:
-             parallel/ipc_ranks.py);
+             ipc_ranks.py);
   "nixl"     (with the NIXL agent's name and export id in KVHandle.nixl) when this worker
              created a NIXL agent over its cache: always in nixl mode, and in auto mode when
              nixl is installed and the cache is on a CUDA device. Under TP every rank has an
              agent over its heads (rank r of the receiver READs from rank r of the source:
-             parallel/nixl_ranks.py). auto leaves CPU workers on grpc: a host cache gains
+             nixl_ranks.py). auto leaves CPU workers on grpc: a host cache gains
              little from NIXL, and the default CPU path stays the one every test exercises.
 
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
