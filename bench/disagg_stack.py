@@ -30,10 +30,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.bench.proc_stats import process_cpu_seconds
 from tandem.stack import free_port
 
-__all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "process_cpu_seconds",
-           "write_tokenizer"]
+__all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "write_tokenizer"]
 POLL_S = 0.2
 HEALTH_INTERVAL_S = 0.5  # the router's worker health checks
 
@@ -210,16 +210,6 @@ class LocalStack:
         """CPU time (user + system) the router process has used so far; None off Linux."""
         router = next((c for c in self.children if c.name.endswith("-router")), None)
         return None if router is None else process_cpu_seconds(router.proc.pid)
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a process from /proc/<pid>/stat (Linux), in seconds."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _num_healthy(metrics_address: str) -> int:

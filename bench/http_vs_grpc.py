@@ -24,12 +24,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,70 +33,25 @@ import numpy as np
 
 from tandem.bench.config import BenchmarkConfig
 from tandem.bench.report import latency_samples, summarize
+from tandem.bench.proc_stats import process_cpu_seconds
 from tandem.bench.runner import BenchmarkResult, async_run_benchmark
+from tandem.bench.up_stack import UpStack
 from tandem.stack import free_port
 
 TARGETS = {"tpot_s": 0.05, "ttft_s": 0.10}  # |HTTP / gRPC - 1| at most
 TRANSPORTS = ("grpc", "http")
-READY_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass
-class Stack:
-    """A `tandem up` child: its addresses and its router's pid (for CPU time)."""
+class Target:
+    """The router to measure: its gRPC address, its HTTP base URL and, when this process
+    started it, its pid (for its CPU time)."""
     router: str
     http: str
-    proc: subprocess.Popen | None = None
     router_pid: int | None = None
-    lines: list[str] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def start(cls, model: str | None) -> Stack:
-        port, http_port = free_port(), free_port()
-        command = [sys.executable, "-m", "tandem.cli", "up", "--both", "1", "--port",
-                   str(port), "--http-port", str(http_port), "--no-prefix-caching"]
-        if model:
-            command += ["--model", model]
-        stack = cls(f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}")
-        stack.proc = subprocess.Popen(command, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
-        threading.Thread(target=stack._pump, daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not any(line.startswith("tandem up: serving") for line in stack.lines):
-            if stack.proc.poll() is not None or time.monotonic() > deadline:
-                stack.stop()
-                raise RuntimeError("tandem up did not start:\n" + "".join(stack.lines[-20:]))
-            time.sleep(0.2)
-        for line in stack.lines:
-            match = re.search(r"router \S+ loading\.\.\. \(pid (\d+)\)", line)
-            if match:
-                stack.router_pid = int(match.group(1))
-        return stack
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
 
     def router_cpu_s(self) -> float | None:
-        """The router process's user + system CPU seconds (Linux /proc); None if unknown."""
-        if self.router_pid is None:
-            return None
-        try:
-            fields = Path(f"/proc/{self.router_pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        return None if self.router_pid is None else process_cpu_seconds(self.router_pid)
 
 
 @dataclasses.dataclass
@@ -110,7 +61,7 @@ class Run:
     client_cpu_s: float
 
 
-async def measure(stack: Stack, base: BenchmarkConfig, concurrency: int,
+async def measure(stack: Target, base: BenchmarkConfig, concurrency: int,
                   rounds: int) -> dict[str, list[Run]]:
     """`rounds` gRPC and HTTP runs at `concurrency`, alternating which goes first."""
     runs: dict[str, list[Run]] = {name: [] for name in TRANSPORTS}
@@ -237,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         print("http_vs_grpc: give --router and --http together (or neither)", file=sys.stderr)
         return 2
     concurrencies = [int(part) for part in args.concurrency.split(",") if part.strip()]
-    stack = Stack(args.router, args.http) if args.router else Stack.start(args.model)
+    up = None
+    if args.router:
+        stack = Target(args.router, args.http)
+    else:
+        http_port = free_port()
+        up = UpStack(["--both", "1", "--http-port", str(http_port), "--no-prefix-caching",
+                      *(["--model", args.model] if args.model else [])],
+                     Path(tempfile.mkdtemp(prefix="tandem-http-vs-grpc-")))
+        stack = Target(up.router.address, f"http://127.0.0.1:{http_port}", up.router.pid)
     table: dict[int, dict] = {}
     try:
         for concurrency in concurrencies:
@@ -249,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = {name: summarize_runs(runs[name]) for name in TRANSPORTS}
             table[concurrency] = {**rows, "ratios": ratios(rows, runs)}
     finally:
-        stack.stop()
+        if up is not None:
+            up.stop()
     print(format_table(table), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2)

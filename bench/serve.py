@@ -24,24 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from tandem.bench.config import BenchmarkConfig
 from tandem.bench.disagg_stack import build_tiny_checkpoint, write_tokenizer
 from tandem.bench.engine import in_child
 from tandem.bench.runner import run_benchmark
+from tandem.bench.up_stack import UpStack
 from tandem.bench.workload import synthetic_workload
-from tandem.stack import free_port
 
 __all__ = ["main"]
 MODEL = "llama3-8b"
-ROW = re.compile(r"\s+(\S+)\s+(\S+)\s+metrics http://(\S+)/metrics")
 
 
 def _log(message: str) -> None:
@@ -71,73 +67,17 @@ def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int
     return {"limits": limits.as_dict(), "decode": rows}
 
 
-class ServedStack:
-    """`tandem up --both 1` on the model as a child process in its own session."""
-
-    def __init__(self, model_dir: Path, up_args: list[str], log_path: Path,
-                 ready_timeout_s: float = 600.0) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        command = [sys.executable, "-m", "tandem.cli", "up", "--model", str(model_dir),
-                   "--both", "1", "--port", str(self.port), *up_args]
-        _log("starting: " + " ".join(command[2:]))
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=open(log_path, "w"),
-                                     text=True, start_new_session=True)
-        self.metrics: dict[str, str] = {}
-        deadline = time.monotonic() + ready_timeout_s
-        for line in self.proc.stdout:
-            match = ROW.match(line)
-            if match:
-                self.metrics[match.group(1)] = match.group(3)
-            if line.startswith("Ctrl-C"):
-                break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"tandem up not ready in {ready_timeout_s:.0f} s; its log "
-                                   f"ends:\n{self.log_tail()}")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"tandem up exited with {self.proc.returncode}; its log ends:\n"
-                               f"{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    @property
-    def router(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def worker_gauge(self, name: str) -> float | None:
-        """A gauge of the (single) worker's /metrics, e.g. tandem:num_kv_blocks."""
-        for process, address in self.metrics.items():
-            if process == "router":
-                continue
-            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read()
-            for line in text.decode().splitlines():
-                if line.startswith(name + "{") or line.startswith(name + " "):
-                    return float(line.rsplit(" ", 1)[1])
-        return None
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                import os
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 def measure_served(model_dir: Path, args: argparse.Namespace, up_args: list[str],
                    log_dir: Path) -> dict:
     """Warm-up, then concurrency 1 and concurrency --concurrency through the router."""
-    stack = ServedStack(model_dir, up_args, log_dir / "up.log")
+    command = ["--model", str(model_dir), "--both", "1", *up_args]
+    _log("starting: tandem up " + " ".join(command))
+    stack = UpStack(command, log_dir, omp_num_threads=None)
     try:
-        blocks = stack.worker_gauge("tandem:num_kv_blocks")
+        blocks = sum(sample.value for sample in
+                     stack.samples(stack.workers[0], "tandem:num_kv_blocks"))
         _log(f"worker KV blocks: {blocks}")
-        common = dict(router=stack.router, input_len=str(args.input_len),
+        common = dict(router=stack.router.address, input_len=str(args.input_len),
                       output_len=str(args.output_len), timeout_s=args.request_timeout)
         run_benchmark(BenchmarkConfig(**{**common, "output_len": "8"}, concurrency=8,
                                       num_requests=16, seed=10**6))  # JIT, graphs, KV paths

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.proc_stats import is_running, rss_bytes
 from tandem.common.security import INTERNAL_TOKEN_KEY
 from tandem.stack import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -59,26 +60,6 @@ def is_serving(address: str, timeout: float = 1.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def is_running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` (0 when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -96,14 +77,20 @@ def _argv(pid: int) -> list[str]:
 class UpStack:
     """`tandem up ARGS` started in its own session, its output in `log_dir`/up.log."""
 
-    def __init__(self, up_args: list[str], log_dir: Path) -> None:
+    def __init__(self, up_args: list[str], log_dir: Path,
+                 omp_num_threads: str | None = "1") -> None:
+        """omp_num_threads: the children's OMP_NUM_THREADS where the environment sets none
+        (one thread per CPU worker keeps workers on a shared machine from oversubscribing it);
+        None leaves the environment as it is."""
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         token_file = log_dir / "internal-token"
         token_file.write_text("tandem-bench-internal-token\n")
         self.internal_token = "tandem-bench-internal-token"
         self.port = free_port()
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ)
+        if omp_num_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", omp_num_threads)
         self.up = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", *up_args, "--port", str(self.port),
              "--internal-token-file", str(token_file)],
@@ -187,22 +174,23 @@ class UpStack:
                 worker_pb2.GetLoadRequest(), timeout=5,
                 metadata=[(INTERNAL_TOKEN_KEY, self.internal_token)])
 
+    def samples(self, child: UpChild, name: str) -> list:
+        """Every sample called `name` on `child`'s /metrics page now."""
+        url = f"http://{child.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return [sample for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == name]
+
     def router_counter(self, name: str) -> float:
         """The sum of every sample of counter `name` (without _total) on the router."""
-        url = f"http://{self.router.metrics_address}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if sample.name == f"{name}_total")
+        return sum(sample.value for sample in self.samples(self.router, f"{name}_total"))
 
     def workers_in_pool(self) -> set[str]:
         """Addresses of the workers the router has in its routing pool now."""
-        url = f"http://{self.router.metrics_address}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return {sample.labels["worker"] for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == "tandem:worker_healthy" and sample.value == 1}
+        return {sample.labels["worker"]
+                for sample in self.samples(self.router, "tandem:worker_healthy")
+                if sample.value == 1}
 
     def stop(self, grace: float = 30.0) -> int:
         """SIGTERM `tandem up` (it stops its own children) and the restarted workers; returns

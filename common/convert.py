@@ -9,6 +9,7 @@ from tandem.common.kv_exports import (ConnectorEndpoint, ConnectorExport, CudaIp
                                       KVLease, NixlAgentExport, NixlEndpoint, TensorBlocks)
 from tandem.common.kv_layout import KVLayout
 from tandem.common.sampling_params import SamplingParams
+from tandem.common.structured_output import StructuredOutput
 from tandem.v1 import generate_pb2, worker_pb2
 
 _FINISH_TO_PROTO = {
@@ -39,6 +40,8 @@ def engine_params_to_proto(params: SamplingParams) -> worker_pb2.EngineParams:
         stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.structured_output is not None:
+        message.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return message
 
 
@@ -55,7 +58,31 @@ def engine_params_from_proto(message: worker_pb2.EngineParams,
         frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None,
         stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs if message.HasField("logprobs") else None)
+        logprobs=message.logprobs if message.HasField("logprobs") else None,
+        structured_output=structured_output_from_proto(message.structured_output)
+        if message.HasField("structured_output") else None)
+
+
+def structured_output_to_proto(structured: StructuredOutput) -> generate_pb2.StructuredOutput:
+    if structured.kind == "json_object":
+        return generate_pb2.StructuredOutput(json_object=generate_pb2.JsonObject())
+    if structured.kind == "choice":
+        return generate_pb2.StructuredOutput(
+            choice=generate_pb2.Choice(choices=list(structured.choices)))
+    return generate_pb2.StructuredOutput(**{structured.kind: structured.spec})
+
+
+def structured_output_from_proto(message: generate_pb2.StructuredOutput) -> StructuredOutput:
+    """ValueError naming the field when no format is set or the spec is empty or too large."""
+    kind = message.WhichOneof("format")
+    if kind is None:
+        raise ValueError("structured_output: one of json_schema, json_object, regex, grammar "
+                         "or choice is required")
+    if kind == "json_object":
+        return StructuredOutput(kind)
+    if kind == "choice":
+        return StructuredOutput(kind, choices=tuple(message.choice.choices))
+    return StructuredOutput(kind, getattr(message, kind))
 
 
 def logprob_to_proto(logprob) -> generate_pb2.TokenLogprob:

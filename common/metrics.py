@@ -241,6 +241,15 @@ class WorkerMetrics(_Metrics):
                                                   "KV pulls that failed.")
         self.kv_pull_recomputes = self._counter(
             "tandem:kv_pull_recomputes", "Prompts computed here after their KV pull failed.")
+        self.grammar_compile_time = self._histogram(
+            "tandem:grammar_compile_seconds",
+            "Time to compile one structured-output grammar (cache misses).",
+            FINE_SECONDS_BUCKETS)
+        self.grammar_cache_hits = self._counter(
+            "tandem:grammar_cache_hits",
+            "Structured-output requests whose grammar was already compiled (or compiling).")
+        self.constrained_requests = self._counter(
+            "tandem:constrained_requests", "Requests with a structured-output grammar.")
         self.jit_compiles = self._counter(
             "tandem:jit_compiles", "Triton kernel variants compiled, at startup or while "
             "serving (a serving compile stalls the engine step).", ("phase",))

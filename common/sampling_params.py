@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.common.structured_output import StructuredOutput
+
 # Top-N logprobs a request may ask for; more would make every step's output large.
 MAX_LOGPROBS = 20
 # Below this temperature a request is greedy: dividing fp32 logit gaps by it overflows, and
@@ -40,8 +42,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     # Top-N logprobs to return per generated token (None: none). Logprobs are those of the
-    # model's raw distribution, before penalties, temperature and truncation.
+    # model's raw distribution (after a structured_output grammar's mask), before penalties,
+    # temperature and truncation.
     logprobs: int | None = None
+    # The shape the output must take (a grammar masks every step's logits); None: free text.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept any iterable of ints for stop_token_ids but store a tuple (hashable, immutable).

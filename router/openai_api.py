@@ -28,6 +28,7 @@ import math
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from contextlib import aclosing
 
 import grpc
@@ -41,6 +42,7 @@ from tandem.router.admission import RETRY_AFTER_KEY
 from tandem.router.openai_schema import (ChatCompletionRequest, CompletionRequest,
                                          DetokenizeRequest, OpenAIError, TokenizeRequest)
 from tandem.router.servicer import GenerateServicer
+from tandem.router.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
 from tandem.router.validation import RequestError, check_request
 from tandem.v1 import generate_pb2
 
@@ -53,8 +55,9 @@ HTTP_STATUS = {
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 429: "rate_limit_error"}
 # The request field a servicer message starts with -> the OpenAI field it came from.
-_PARAM_NAMES = {"text": "prompt", "token_ids": "prompt", "prompt": "prompt",
-                "chat": "messages", "stop.stop": "stop", "model": "model", "logprobs": "logprobs"}
+_PARAM_NAMES = {"chat.tools": "tools", "chat.tool_choice": "tool_choice", "text": "prompt",
+                "token_ids": "prompt", "prompt": "prompt", "chat": "messages", "stop.stop": "stop",
+                "model": "model", "logprobs": "logprobs", "structured_output": "response_format"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; this completion's deadline
 DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
@@ -253,7 +256,8 @@ class OpenAIService:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         requests = body.to_generate_requests(request_id)
         output = CompletionOutput(kind, request_id, self.model_name, body.n, self.logprobs,
-                                  len(requests), body.return_token_ids)
+                                  len(requests), body.return_token_ids,
+                                  self._tool_calls(body) if kind == "chat" else None)
         streams = [self.servicer.stream(r, deadline) for r in requests]
         if body.stream:
             firsts = await _until_disconnect(http_request, _first_responses(streams), deadline)
@@ -270,6 +274,14 @@ class OpenAIService:
             for response in responses:
                 output.add(index, response)
         return output.whole()
+
+
+    def _tool_calls(self, body: ChatCompletionRequest) -> ToolCallParsing | None:
+        """How to find tool calls in this chat's answers (None: no tools were offered)."""
+        fmt = self.servicer.frontend.limits.tool_call_format
+        if not body.tools or body.tool_choice == "none" or fmt is None:
+            return None
+        return ToolCallParsing(fmt, {tool.function.name for tool in body.tools})
 
 
 async def _drain(stream) -> list[generate_pb2.GenerateResponse]:
@@ -432,13 +444,28 @@ class LogprobFormatter:
                 "text_offset": offsets}
 
 
+@dataclass(frozen=True)
+class ToolCallParsing:
+    """The tool-call format of the model's answers and the tools the request declared."""
+    fmt: str
+    names: set[str]
+
+
 class _Choice:
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolCallParsing | None) -> None:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.text_offset = 0
         self.complete: generate_pb2.Complete | None = None
+        self.tool_stream = ToolCallStream(tools.fmt, tools.names) if tools else None
+        self.num_calls = 0  # streamed so far
+
+
+def _tool_call_entries(calls: list[ParsedCall], first_index: int) -> list[dict]:
+    return [{"index": first_index + i, "id": ParsedCall.new_id(), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for i, call in enumerate(calls)]
 
 
 class CompletionOutput:
@@ -446,15 +473,16 @@ class CompletionOutput:
 
     def __init__(self, kind: str, request_id: str, model: str, n: int,
                  logprobs: LogprobFormatter, num_choices: int,
-                 return_token_ids: bool = False) -> None:
+                 return_token_ids: bool = False, tools: ToolCallParsing | None = None) -> None:
         self.kind = kind  # "chat" or "text"
+        self.tools = tools
         self.return_token_ids = return_token_ids
         self.request_id = request_id
         self.model = model
         self.n = n
         self.formatter = logprobs
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(num_choices)]
+        self.choices = [_Choice(tools) for _ in range(num_choices)]
 
     def _object(self, suffix: str = "") -> dict:
         kind = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -477,7 +505,9 @@ class CompletionOutput:
         if response.HasField("complete"):
             choice.complete = response.complete
             finish = finish_reason_from_proto(response.complete.finish_reason)
-            return self._chunk(index, "", None, finish)
+            text, calls = choice.tool_stream.finish() if choice.tool_stream else ("", [])
+            return self._chunk(index, text, None, self._finish(choice, finish, calls),
+                               tool_calls=self._stream_calls(choice, calls))
         chunk = response.chunk
         choice.texts.append(chunk.text)
         choice.token_ids.extend(chunk.token_ids)
@@ -490,14 +520,32 @@ class CompletionOutput:
                 logprobs = self.formatter.completion(chunk.logprobs, choice.text_offset)
         choice.text_offset += len(chunk.text)
         token_ids = list(chunk.token_ids) if self.return_token_ids else None
-        if not chunk.text and logprobs is None and not token_ids:
+        text, calls = choice.tool_stream.feed(chunk.text) if choice.tool_stream \
+            else (chunk.text, [])
+        if not text and not calls and logprobs is None and not token_ids:
             return None
-        return self._chunk(index, chunk.text, logprobs, None, token_ids)
+        return self._chunk(index, text, logprobs, None, token_ids,
+                           self._stream_calls(choice, calls))
+
+    @staticmethod
+    def _stream_calls(choice: _Choice, calls: list[ParsedCall]) -> list[dict]:
+        entries = _tool_call_entries(calls, choice.num_calls)
+        choice.num_calls += len(calls)
+        return entries
+
+    @staticmethod
+    def _finish(choice: _Choice, finish: str, calls: list) -> str:
+        """OpenAI's "tool_calls" when the answer ended by itself after making calls."""
+        return "tool_calls" if finish == "stop" and (choice.num_calls or calls) else finish
 
     def _chunk(self, index: int, text: str, logprobs, finish: str | None,
-               token_ids: list[int] | None = None) -> dict:
+               token_ids: list[int] | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": text} if text else {},
+            delta = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": index, "delta": delta,
                       "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
@@ -529,8 +577,16 @@ class CompletionOutput:
             if self.kind == "chat":
                 logprobs = {"content": self.formatter.chat(choice.logprobs)} \
                     if choice.logprobs else None
-                choices.append({"index": index,
-                                "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    content, calls = parse_tool_calls(self.tools.fmt, text, self.tools.names)
+                    if calls:
+                        message = {"role": "assistant", "content": content.strip() or None,
+                                   "tool_calls": _tool_call_entries(calls, 0)}
+                        finish = self._finish(choice, finish, calls)
+                        for entry in message["tool_calls"]:
+                            del entry["index"]  # only deltas carry one
+                choices.append({"index": index, "message": message,
                                 "logprobs": logprobs, "finish_reason": finish})
             else:
                 logprobs = self.formatter.completion(choice.logprobs, 0) \

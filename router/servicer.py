@@ -21,7 +21,8 @@ from tandem.common.metrics import RouterMetrics
 from tandem.router.admission import Admission
 from tandem.router.request_flow import RequestContext, RequestFlow, StallLimits
 from tandem.router.tokenization import ModelFrontend
-from tandem.router.validation import RequestError, check_request, resolve_params
+from tandem.router.validation import (RequestError, check_request, resolve_params,
+                                      structured_output)
 from tandem.router.worker_pool import WorkerPool
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -115,6 +116,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
             limits = self.frontend.limits
             check_request(request, limits)
+            forcing = self.frontend.tool_call_grammar(request.chat)
+            if forcing is not None:  # tool_choice required or named: the grammar makes the call
+                request.structured_output.grammar = forcing
+            spec = structured_output(request)
+            if spec is not None:
+                problem = await self.frontend.structured_output_error(spec)
+                if problem is not None:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, problem)
             started = time.monotonic()
             prompt = await self.frontend.prompt_token_ids(request)
             self.metrics.tokenization_time.observe(time.monotonic() - started)

@@ -5,13 +5,17 @@ Two phases: `check_request` needs only the message (cheap, on the event loop);
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 
 import grpc
 
+from tandem.common.convert import structured_output_from_proto
 from tandem.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.common.structured_output import StructuredOutput
+from tandem.router.tool_calls import NAME_PATTERN
 from tandem.v1 import generate_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -45,6 +49,7 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     has_chat_template: bool
+    tool_call_format: str | None = None  # router/tool_calls.py; None: the template has no tools
 
 
 def _invalid(message: str) -> RequestError:
@@ -80,6 +85,10 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
                                    f"[0, {limits.vocab_size})")
     if kind == "chat":
         _check_chat(request.chat, limits)
+        if request.chat.tool_choice not in ("", "auto", "none") \
+                and request.HasField("structured_output"):
+            raise _invalid(f"structured_output: chat.tool_choice={request.chat.tool_choice!r} "
+                           "already decides the answer's shape; give one of them")
     stop = request.stop
     if len(stop.stop) > MAX_STOP_STRINGS:
         raise _invalid(f"stop.stop: at most {MAX_STOP_STRINGS} stop strings")
@@ -101,6 +110,18 @@ def check_request(request: generate_pb2.GenerateRequest, limits: ModelLimits) ->
     for field, value in request.sampling.ListFields():
         if isinstance(value, float) and not math.isfinite(value):
             raise _invalid(f"sampling.{field.name}={value} must be a finite number")
+    structured_output(request)
+
+
+def structured_output(request: generate_pb2.GenerateRequest) -> StructuredOutput | None:
+    """The request's output spec (None: free text); INVALID_ARGUMENT when it is malformed.
+    Whether it compiles is checked separately (`grammar_error`, off the event loop)."""
+    if not request.HasField("structured_output"):
+        return None
+    try:
+        return structured_output_from_proto(request.structured_output)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from exc
 
 
 def _check_num_chars(field: str, num_chars: int, limits: ModelLimits) -> None:
@@ -122,12 +143,61 @@ def _check_chat(chat: generate_pb2.ChatMessages, limits: ModelLimits) -> None:
         raise RequestError(grpc.StatusCode.OUT_OF_RANGE,
                            f"chat.messages has {len(chat.messages)} messages; max_model_len="
                            f"{limits.max_model_len} tokens cannot hold them")
-    _check_num_chars("chat.messages (all contents together)",
-                     sum(len(m.content) for m in chat.messages), limits)
+    _check_num_chars("chat.messages and chat.tools (all contents together)",
+                     sum(len(m.content) + sum(len(c.arguments_json) for c in m.tool_calls)
+                         for m in chat.messages)
+                     + sum(len(t.description) + len(t.parameters_json) for t in chat.tools),
+                     limits)
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise _invalid(f"chat.messages[{i}].role={message.role!r} is not one of "
                            f"{', '.join(CHAT_ROLES)}")
+        if message.tool_calls and message.role != "assistant":
+            raise _invalid(f"chat.messages[{i}].tool_calls: only an assistant turn makes calls")
+        for j, call in enumerate(message.tool_calls):
+            if not call.name:
+                raise _invalid(f"chat.messages[{i}].tool_calls[{j}].name is empty")
+            _json_object(f"chat.messages[{i}].tool_calls[{j}].arguments_json",
+                         call.arguments_json)
+        if message.tool_call_id and message.role != "tool":
+            raise _invalid(f"chat.messages[{i}].tool_call_id: only a tool turn answers a call")
+    _check_tools(chat, limits)
+
+
+def _check_tools(chat: generate_pb2.ChatMessages, limits: ModelLimits) -> None:
+    choice = chat.tool_choice
+    if not chat.tools and not choice and not chat.HasField("parallel_tool_calls"):
+        return
+    names = [tool.name for tool in chat.tools]
+    if chat.tools and limits.tool_call_format is None:
+        raise _invalid(f"chat.tools: model {limits.name!r} has a chat template that renders "
+                       "no tools, so the model would never see them")
+    for i, tool in enumerate(chat.tools):
+        if not NAME_PATTERN.fullmatch(tool.name):
+            raise _invalid(f"chat.tools[{i}].name={tool.name[:80]!r} must be 1-64 letters, "
+                           "digits, '_' or '-'")
+        if names.index(tool.name) != i:
+            raise _invalid(f"chat.tools[{i}].name={tool.name!r} is declared twice")
+        if tool.parameters_json:
+            schema = _json_object(f"chat.tools[{i}].parameters_json", tool.parameters_json)
+            if schema.get("type", "object") != "object":
+                raise _invalid(f"chat.tools[{i}].parameters_json must be an object schema "
+                               f"(type 'object', not {schema['type']!r})")
+    if choice not in ("", "auto", "none", "required") and choice not in names:
+        raise _invalid(f"chat.tool_choice={choice[:80]!r} is not auto, none, required or a "
+                       "declared tool's name")
+    if choice == "required" and not chat.tools:
+        raise _invalid("chat.tool_choice=required needs chat.tools")
+
+
+def _json_object(field: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise _invalid(f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _invalid(f"{field} must be a JSON object")
+    return value
 
 
 def resolve_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int,
@@ -148,6 +218,7 @@ def resolve_params(request: generate_pb2.GenerateRequest, num_prompt_tokens: int
               "logprobs": request.logprobs if request.HasField("logprobs") else None}
     for field, value in sampling.ListFields():
         values[field.name] = value
+    values["structured_output"] = structured_output(request)
     try:
         return SamplingParams(**values)
     except ValueError as exc:  # "SamplingParams.top_p=1.5 must be in (0, 1]"

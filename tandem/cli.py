@@ -38,7 +38,8 @@ ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-qu
 TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
              ("--tls-server-name", str)]
 PUBLIC_AUTH_FLAGS = [("--auth-token-file", str)]
-HTTP_FLAGS = [("--http-port", int)]  # the router's HTTP API binds --host, as its gRPC port
+# The router's HTTP API binds --host, as its gRPC port.
+HTTP_FLAGS = [("--http-port", int), ("--http-request-timeout-seconds", float)]
 DEFAULT_GENERATE_TIMEOUT_S = 300.0
 # Services drain for --grace seconds after SIGTERM; `up` allows this much more before SIGKILL.
 EXIT_MARGIN_S = 2.0
@@ -72,6 +73,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, metavar="PORT",
                    help="the router also serves the OpenAI-compatible HTTP API on PORT (same "
                         "host; off when not given)")
+    p.add_argument("--http-request-timeout-seconds", type=float, metavar="S",
+                   help="deadline of an HTTP completion that sends no X-Request-Timeout header "
+                        "(the router's flag; 0: none)")
     p.add_argument("--router-processes", type=int, default=1, metavar="N",
                    help="router processes on the router's port (`tandem router --processes`; "
                         "default 1: the workers of a local stack use the cores)")

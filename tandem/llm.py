@@ -83,12 +83,20 @@ class LLM:
             for ids, params in zip(token_lists, sampling_params):
                 seqs.append(self.engine.add_request(ids, params))
         except ValueError as exc:
-            for seq in seqs:
-                self.engine.abort(seq.request_id)
+            self._abort(seqs)
             raise ValueError(f"prompt {len(seqs)}: {exc}") from exc
+        for index, seq in enumerate(seqs):  # a grammar that cannot compile fails the call
+            failure = seq.grammar.compiled.exception() if seq.grammar is not None else None
+            if failure is not None:
+                self._abort(seqs)
+                raise ValueError(f"prompt {index}: {failure}")
         while self.engine.has_unfinished:
             self.engine.step()
         return [self._output(seq) for seq in seqs]
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.engine.abort(seq.request_id)
 
     def _tokenize(self, prompt: Prompt, index: int) -> list[int]:
         if isinstance(prompt, str):

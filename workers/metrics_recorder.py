@@ -21,9 +21,12 @@ class WorkerMetricsRecorder:
         self._seen: dict[str, float] = {
             "queries": manager.prefix_cache_queries, "hits": manager.prefix_cache_hits,
             "preemptions": engine.scheduler.num_preemptions,
-            "expiries": engine.num_expired_leases}
+            "expiries": engine.num_expired_leases,
+            "grammar_hits": engine.grammars.num_cache_hits,
+            "constrained": engine.num_constrained_requests}
         self._finished: Counter[str] = Counter(engine.num_finished)
         metrics.num_kv_blocks.set(manager.num_blocks)
+        engine.grammars.on_compiled.append(metrics.grammar_compile_time.observe)
         self.update_gauges()
 
     def after_step(self, updated: list[Sequence] | None) -> None:
@@ -57,6 +60,8 @@ class WorkerMetricsRecorder:
         self._count(m.prefix_cache_hits, "hits", manager.prefix_cache_hits)
         self._count(m.num_preemptions, "preemptions", engine.scheduler.num_preemptions)
         self._count(m.kv_lease_expiries, "expiries", engine.num_expired_leases)
+        self._count(m.grammar_cache_hits, "grammar_hits", engine.grammars.num_cache_hits)
+        self._count(m.constrained_requests, "constrained", engine.num_constrained_requests)
         for status, total in engine.num_finished.items():
             if total > self._finished[status]:
                 m.requests_finished.labels(status=status).inc(total - self._finished[status])

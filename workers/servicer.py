@@ -227,12 +227,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """Runs an engine command that queues a request; its refusal becomes the status that
         names it."""
         try:
-            await self.engine.call(command)
+            seq = await self.engine.call(command)
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except AlreadyExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._await_grammar(context, seq)
+
+    async def _await_grammar(self, context, seq) -> None:
+        """Waits (on the event loop, holding nothing in the engine) until a constrained
+        request's grammar has compiled; INVALID_ARGUMENT naming the problem when it cannot."""
+        if seq.grammar is None:
+            return
+        try:
+            # shield: a cancelled call must not cancel a compile that other requests share
+            await asyncio.shield(asyncio.wrap_future(seq.grammar.compiled))
+        except ValueError as exc:
+            self._abort_soon(seq.request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _next_event(self, stream: asyncio.Queue, context) -> TokenEvent:
@@ -341,13 +354,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _reserve(self, context, stream, prompt, generated, params, request_id):
         """Queue the request for blocks to receive its KV into (WAITING_FOR_REMOTE_KVS) and
-        wait until the engine reserved them; RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS
-        (the request leaves the queue)."""
+        wait until the engine reserved them (and a constrained request's grammar compiled);
+        RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS (the request leaves the queue)."""
         try:
             seq = await self.engine.call(lambda e: e.queue_prefilled(
                 prompt, generated, params, request_id, deadline=_deadline(context)))
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except ValueError as exc:  # a structured_output grammar known not to compile
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             event = await asyncio.wait_for(stream.get(), MAX_BLOCK_WAIT_SECONDS)
         except TimeoutError:
@@ -359,6 +374,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, event.message)
         if not isinstance(event, BlocksReserved):
             raise RuntimeError(f"request {request_id}: expected its blocks, got {event!r}")
+        await self._await_grammar(context, seq)
         return seq
 
 

@@ -16,7 +16,7 @@ from helpers.client import generate, request, worker_load
 from helpers.processes import free_port, start, start_stack, stop, wait_serving
 
 from tandem.bench import BenchmarkConfig, run_benchmark
-from tandem.bench.http_vs_grpc import Stack, format_table, measure, ratios, summarize_runs
+from tandem.bench.http_vs_grpc import Target, format_table, measure, ratios, summarize_runs
 from tandem.bench.main import main as bench_main
 from tandem.v1 import generate_pb2
 
@@ -210,8 +210,7 @@ def test_repeated_prompt_reports_cached_tokens(client, model):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
 ])
 def test_unsupported_field_is_a_400_naming_it(client, model, fields, param):
@@ -410,7 +409,7 @@ def test_tandem_bench_http_cli_records_deadline_errors(http_stack, tmp_path, cap
 def test_http_vs_grpc_prints_both_rows_and_their_ratios(http_stack):
     import asyncio
 
-    stack = Stack(http_stack.router.address, http_stack.http_url)
+    stack = Target(http_stack.router.address, http_stack.http_url)
     base = BenchmarkConfig(router=stack.router, num_requests=2, input_len="8", output_len="4")
     runs = asyncio.run(measure(stack, base, concurrency=2, rounds=2))
     rows = {name: summarize_runs(runs[name]) for name in ("grpc", "http")}

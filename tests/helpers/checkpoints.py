@@ -202,3 +202,21 @@ def rewrite_weights(src: Path, dst: Path, edit) -> Path:
     edit(tensors)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def build_qwen3_with_real_tokenizer(directory: Path) -> Path:
+    """A tiny random Qwen3 whose tokenizer and chat template are Qwen3's own (vocab 151,669,
+    <tool_call> markers as single tokens, the tools section in the template): what tool calling
+    and chat-format tests need. Embeddings are tied to keep the checkpoint small."""
+    import transformers
+    from helpers.real_tokenizers import unpack_tokenizer
+
+    unpack_tokenizer("qwen-3", directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = transformers.Qwen3Config(**{
+        **_BASE, "vocab_size": len(tokenizer), "tie_word_embeddings": True, "head_dim": 16,
+        "eos_token_id": eos, "bos_token_id": None})
+    torch.manual_seed(3)
+    transformers.Qwen3ForCausalLM(config).eval().save_pretrained(directory)
+    return Path(directory)

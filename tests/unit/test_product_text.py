@@ -57,3 +57,19 @@ def test_the_patterns_catch_what_they_name():
         assert FORBIDDEN[what].search(text), what
     for clean in ("tl.log(l_i)", "math.log(factor)", "self.log(msg)", "logger.info(...)"):
         assert not any(p.search(clean) for p in FORBIDDEN.values()), clean
+
+
+CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+TEXT_SUFFIXES = {".py", ".md", ".proto", ".yaml", ".yml", ".toml", ".json", ".txt", ".sh", ""}
+
+
+def test_no_file_keeps_merge_conflict_markers():
+    files = [path for path in REPO_ROOT.rglob("*")
+             if path.is_file() and path.suffix in TEXT_SUFFIXES
+             and not any(part.startswith(".") or part in ("node_modules", "__pycache__")
+                         for part in path.relative_to(REPO_ROOT).parts)]
+    assert any(path.name == "RESULTS.md" for path in files), "the test lost its subject"
+    found = [str(path.relative_to(REPO_ROOT)) for path in files
+             if CONFLICT_MARKER.search(path.read_text(errors="replace"))]
+    assert not found, f"merge conflict markers left in: {found}"
+    assert CONFLICT_MARKER.search("x\n<<<<<<< HEAD\ny\n=======\nz\n>>>>>>> branch\n")

@@ -5,6 +5,7 @@ Not thread-safe: one thread drives `step()`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from tandem.common.logging import get_logger
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import EngineConfig
+from tandem.workers.engine.grammar_cache import GrammarCompiler
+from tandem.workers.engine.grammar_mask import RequestGrammar
 from tandem.workers.engine.sampler import advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -23,6 +26,8 @@ from tandem.workers.engine.stop import check_stop
 from tandem.workers.executor.executor import Executor
 
 logger = get_logger(__name__)
+# The longest a step with only grammar-waiting requests sleeps for a compile to finish.
+MAX_GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}  # every unfinished request, pinned ones included
+        # Structured output: grammars compile on their own threads; a request whose grammar is
+        # still compiling waits here, outside the scheduler, so it holds no batch slot.
+        self.grammars = GrammarCompiler(config.model, self.resolved.vocab_size,
+                                        self.resolved.eos_token_ids)
+        self.awaiting_grammar: list[Sequence] = []
+        self.num_constrained_requests = 0
         self.pinned: dict[str, float] = {}  # request id -> lease deadline (time.monotonic())
         self.num_expired_leases = 0
         # Requests ended here, by status: a finish reason, "abort", or "pinned" (handed off).
@@ -67,6 +78,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Shut the executor down (TP: stop the follower ranks). Idempotent. Call it from the
         thread that drove the engine, after its last step."""
+        self.grammars.shutdown()
         self.executor.shutdown()
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +90,11 @@ class LLMEngine:
         finished it, keeps its prompt's KV blocks (status PINNED) until `release` or a lease
         expiry: a decode worker pulls them meanwhile. Once `deadline` (time.monotonic()) has
         passed, the request is dropped before the next step (`_drop_past_deadline`).
+
+        A request with params.structured_output joins the queue once its grammar has
+        compiled (`seq.grammar.compiled`, a future callers may await for a compile error);
+        a grammar that fails to compile ends it (ABORT) unless the failure is already known,
+        which raises ValueError here.
         """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -91,8 +108,17 @@ class LLMEngine:
         seq = Sequence(prompt_token_ids, params, request_id)
         seq.pin_after_prefill = pin_after_prefill
         seq.deadline = deadline
+        if params.structured_output is not None:
+            seq.grammar = RequestGrammar(self.grammars.compile(params.structured_output))
+            failure = seq.grammar.failure()
+            if failure is not None:
+                raise ValueError(failure)
+            self.num_constrained_requests += 1
         self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.grammar is not None and not seq.grammar.is_ready:
+            self.awaiting_grammar.append(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def resume_request(self, prompt_token_ids: list[int], generated_token_ids: list[int],
@@ -135,6 +161,8 @@ class LLMEngine:
         if seq is None:
             return False
         was_pinned = self.pinned.pop(request_id, None) is not None
+        if seq in self.awaiting_grammar:
+            self.awaiting_grammar.remove(seq)
         self.scheduler.finish(seq, FinishReason.ABORT)
         if not was_pinned:  # a pinned request was already counted as handed off
             self.num_finished["abort"] += 1
@@ -166,11 +194,16 @@ class LLMEngine:
         (status WAITING_FOR_REMOTE_KVS, outside scheduling). `reserve_remote` allocates them,
         in queue order, and the sequence becomes RECEIVING until `activate_prefilled`; its
         leading `seq.num_cached_tokens` tokens were found in the local prefix cache and need no
-        pull. abort() takes it out of the queue like any request."""
+        pull. abort() takes it out of the queue like any request. A constrained request's
+        first decode step waits for its grammar: callers await `seq.grammar.compiled` before
+        activating it."""
         if not generated_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
         seq = self.add_request(prompt_token_ids, params, request_id, deadline=deadline)
-        self.scheduler.waiting.remove(seq)
+        if seq in self.awaiting_grammar:
+            self.awaiting_grammar.remove(seq)
+        else:
+            self.scheduler.waiting.remove(seq)
         seq.token_ids.extend(generated_token_ids)
         advance_request_generator(seq, len(generated_token_ids), self.resolved.vocab_size,
                                   self.resolved.device)
@@ -212,7 +245,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.awaiting_grammar)
 
     def step(self) -> list[Sequence]:
         """Run one model step; returns the sequences that got a token (finished ones included)."""
@@ -222,10 +255,15 @@ class LLMEngine:
             # another GPU (a worker's engine thread starts on cuda:0; a test may have moved it).
             torch.cuda.set_device(self.resolved.device)
         self._drop_past_deadline(started)
+        self._admit_compiled_grammars()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("scheduler made no progress with requests pending")
+            if self.awaiting_grammar:  # nothing else to do: give the compiles a moment
+                concurrent.futures.wait([seq.grammar.compiled for seq in self.awaiting_grammar],
+                                        MAX_GRAMMAR_WAIT_SECONDS,
+                                        concurrent.futures.FIRST_COMPLETED)
             return []
         output = self.executor.execute(batch)
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
@@ -245,7 +283,11 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = check_stop(seq, self.resolved.eos_token_ids, self.resolved.max_model_len)
+            if seq.grammar is not None and seq.grammar.accept(token_id):
+                reason = FinishReason.STOP  # the output is complete
+            else:
+                reason = check_stop(seq, self.resolved.eos_token_ids,
+                                    self.resolved.max_model_len)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
@@ -256,11 +298,31 @@ class LLMEngine:
                 self.num_finished["pinned"] += 1
         return sampled
 
+    def _admit_compiled_grammars(self) -> None:
+        """Queue the requests whose grammar finished compiling; end those it failed for."""
+        if not self.awaiting_grammar:
+            return
+        still_compiling = []
+        for seq in self.awaiting_grammar:
+            if not seq.grammar.is_ready:
+                still_compiling.append(seq)
+                continue
+            failure = seq.grammar.failure()
+            if failure is None:
+                self.scheduler.add(seq)
+                continue
+            logger.warning("request %s: %s", seq.request_id, failure)
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.num_finished["abort"] += 1
+        self.awaiting_grammar = still_compiling
+
     def _drop_past_deadline(self, now: float) -> None:
         """Abort queued and running requests whose deadline has passed: nobody waits for their
         tokens, and a long prompt's remaining chunks would hold the engine for nothing. Pinned
         and receiving requests are not scheduled; their leases and handlers end them."""
-        expired = [seq for seq in (*self.scheduler.waiting, *self.scheduler.running)
+        expired = [seq for seq in (*self.scheduler.waiting, *self.scheduler.running,
+                                   *self.awaiting_grammar)
                    if seq.deadline is not None and seq.deadline <= now]
         for seq in expired:
             logger.warning("dropped request %s: its deadline passed %.1f s ago (%d of %d prompt "
@@ -268,5 +330,7 @@ class LLMEngine:
                            min(seq.num_computed_tokens, seq.num_prompt_tokens),
                            seq.num_prompt_tokens, seq.num_completion_tokens)
             self.requests.pop(seq.request_id, None)
+            if seq in self.awaiting_grammar:
+                self.awaiting_grammar.remove(seq)
             self.scheduler.finish(seq, FinishReason.ABORT)
             self.num_finished["deadline"] += 1

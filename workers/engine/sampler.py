@@ -1,6 +1,8 @@
 """Turns one step's logits into next tokens: stop-token blocking, penalties, greedy or random.
 
 Per row, in this order (rows that share a treatment are handled together with tensor ops):
+  0. structured output: tokens the row's grammar does not allow are masked to -inf
+     (grammar_mask.py; no work when no row is constrained);
   1. raw logprobs, when the request asks for them (log_softmax of the model's logits);
   2. min_tokens: EOS (unless ignore_eos) and the request's stop ids are masked to -inf;
   3. penalties: repetition (prompt and completion), then frequency and presence (completion);
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from tandem.common.sampling_params import SamplingParams
+from tandem.workers.engine.grammar_mask import GrammarMasker
 from tandem.workers.engine.sequence import Sequence, TokenLogprob
 
 
@@ -38,6 +41,7 @@ class Sampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}  # unseeded rows, per device
+        self._grammar_masker = GrammarMasker(self.eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [B, V], any float dtype; row i belongs to seqs[i]."""
@@ -49,6 +53,8 @@ class Sampler:
         device = logits.device
         params = [seq.sampling_params for seq in seqs]
         logits = logits.to(torch.float32, copy=True)  # [B, V]; modified in place below
+        if any(seq.grammar is not None for seq in seqs):
+            self._grammar_masker.apply_(logits, seqs)
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
@@ -249,7 +255,9 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
         top_values, top_ids = values.tolist(), ids.tolist()
     return [
         TokenLogprob(token_id=token, logprob=logprob, rank=rank,
-                     top_logprobs=tuple(zip(ids_row[:n], values_row[:n])))
+                     # a grammar-masked token (-inf) is no alternative
+                     top_logprobs=tuple((i, v) for i, v in zip(ids_row[:n], values_row[:n])
+                                        if v != -math.inf))
         for token, logprob, rank, ids_row, values_row, n in zip(
             chosen.tolist(), chosen_logprob[:, 0].tolist(), ranks, top_ids, top_values, nums)
     ]

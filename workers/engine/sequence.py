@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"  # an EOS id or one of the request's stop token ids was sampled
+    STOP = "stop"  # an EOS id or a stop token id was sampled, or the output grammar completed
     LENGTH = "length"  # max_tokens reached, or the sequence filled max_model_len
     ABORT = "abort"  # cancelled by the caller
 
@@ -54,7 +54,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "status",
         "block_table", "block_hashes", "num_computed_tokens", "num_cached_tokens",
         "finish_reason", "logprobs", "generator", "num_preemptions", "num_prefix_hit_tokens",
-        "pin_after_prefill", "deadline",
+        "pin_after_prefill", "deadline", "grammar",
         "arrival_time", "first_scheduled_time", "first_token_time", "finished_time",
     )
 
@@ -85,6 +85,8 @@ class Sequence:
         # time.monotonic() after which nobody waits for the request: the engine drops it
         # between steps (None: no deadline).
         self.deadline: float | None = None
+        # Constrained requests (structured_output): the grammar every sampled token must fit.
+        self.grammar = None  # grammar_mask.RequestGrammar | None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -184,7 +184,7 @@ def test_child_that_fails_to_start_is_reported_with_its_output(standin, caplog):
                standin("decode-0", "--delay", "0.1", "--fail", "ValueError: no config.json")]]
     started = time.monotonic()
     assert run_stack(groups, ready_timeout_s=20, grace_s=2) == 1
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # at once, not after the 20 s ready timeout
     error = next(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
     assert "decode-0 127.0.0.1:" in error and "exited with code 3 before it was ready" in error
     assert "ValueError: no config.json" in error and "decode-0: loading the model" in error
@@ -209,7 +209,9 @@ def test_straggler_is_killed_after_the_grace_period(standin):
     assert stack.wait_ready(group, timeout_s=20)
     started = time.monotonic()
     stack.shutdown(grace_s=0.5)
-    assert 0.5 <= time.monotonic() - started < 3
+    # Not before the grace; the upper bound only says it did not wait for the straggler (which
+    # never exits by itself), with room for a busy machine.
+    assert 0.5 <= time.monotonic() - started < 15
     assert group[0].proc.returncode == -signal.SIGKILL and group[1].proc.returncode == 0
     assert ("decode-0", "sigterm") not in {(n, e) for n, e, _ in read_events(standin.events)}
 
@@ -353,6 +355,11 @@ def test_up_passes_http_port_to_the_router(tmp_path, capsys):
     router = router_parser().parse_args(["--model", "/m", "--host", "0.0.0.0", *flags])
     assert router.http_port == 8000 and router.http_host is None  # binds --host
     assert cli._passed_flags(cli.build_parser().parse_args(["up"]), cli.HTTP_FLAGS) == []
+    args = cli.build_parser().parse_args(["up", "--http-port", "8000",
+                                          "--http-request-timeout-seconds", "30"])
+    flags = cli._passed_flags(args, cli.HTTP_FLAGS)
+    assert router_parser().parse_args(["--model", "/m", *flags]).http_request_timeout_seconds \
+        == 30.0
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()

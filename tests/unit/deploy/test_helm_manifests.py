@@ -89,6 +89,8 @@ def test_router_http_port_reaches_args_container_and_service(rendered, name, htt
         assert "--http-port" not in container["args"] and not http_ports
         return
     assert flag_value(container["args"], "--http-port") == str(http_port)
+    assert flag_value(container["args"], "--http-request-timeout-seconds") == (
+        "600" if name == "cpu" else None)  # only where the values set it
     assert {"name": "http", "containerPort": http_port, "protocol": "TCP"} in container["ports"]
     assert http_ports == [{"name": "http", "port": http_port, "targetPort": "http",
                            "protocol": "TCP",

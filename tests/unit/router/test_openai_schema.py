@@ -1,6 +1,8 @@
 """The OpenAI request bodies -> GenerateRequests: every supported field reaches the proto."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -36,6 +38,35 @@ def test_every_chat_field_reaches_the_generate_request():
     assert first.logprobs == 3
 
 
+def test_tools_tool_choice_and_earlier_calls_reach_the_chat():
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3 C"}],
+        tools=[{"type": "function", "function": {
+            "name": "get_weather", "description": "d",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "get_time"}}],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False)
+    body.check()
+    [message] = body.to_generate_requests("chatcmpl-x")
+    chat = message.chat
+    assert [(t.name, t.description) for t in chat.tools] == [("get_weather", "d"),
+                                                             ("get_time", "")]
+    assert '"city"' in chat.tools[0].parameters_json and chat.tools[1].parameters_json == ""
+    assert chat.tool_choice == "get_time" and chat.parallel_tool_calls is False
+    call = chat.messages[1].tool_calls[0]
+    assert (call.id, call.name, call.arguments_json) == ("call_1", "get_weather",
+                                                         '{"city": "Oslo"}')
+    assert chat.messages[2].tool_call_id == "call_1" and chat.messages[2].content == "3 C"
+    with pytest.raises(OpenAIError) as info:
+        ChatCompletionRequest(messages=[{"role": "user", "content": None}]).check()
+    assert info.value.param == "messages[0].content"
+
+
 def test_absent_fields_stay_absent_so_the_router_defaults_apply():
     [message] = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]) \
         .to_generate_requests("c")
@@ -67,11 +98,11 @@ def test_openai_only_checks_name_the_field(fields, param):
 
 
 def test_unknown_fields_are_refused_even_inside_messages():
-    with pytest.raises(ValidationError, match="tools"):
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[])
-    with pytest.raises(ValidationError, match="tool_calls"):
+    with pytest.raises(ValidationError, match="functions"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], functions=[])
+    with pytest.raises(ValidationError, match="function_call"):
         ChatCompletionRequest(messages=[{"role": "assistant", "content": "x",
-                                         "tool_calls": []}])
+                                         "function_call": {}}])
     with pytest.raises(ValidationError, match="image_url"):
         ChatCompletionRequest(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}])
@@ -83,8 +114,37 @@ def test_unknown_fields_are_refused_even_inside_messages():
     ("stop.stop[0] is empty", "stop"),
     ("token_ids.ids[2]=100000 is outside the vocabulary [0, 384)", "prompt"),
     ("chat.messages[0].role='x' is not one of system", "messages"),
+    ("chat.tools[1].name='f' is declared twice", "tools"),
+    ("chat.tool_choice='g' is not auto, none, required", "tool_choice"),
     ("model='x' is not served here", "model"),
+    ("structured_output.json_schema is not valid JSON: ...", "response_format"),
+    ("structured_output: one of json_schema, ...", "response_format"),
     ("router is shutting down", None),
 ])
 def test_servicer_messages_map_to_openai_params(message, param):
     assert _param_of(message) == param
+
+
+def test_response_format_becomes_structured_output():
+    chat = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    [message] = ChatCompletionRequest(messages=chat, response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": schema, "strict": True}},
+    ).to_generate_requests("c")
+    assert json.loads(message.structured_output.json_schema) == schema
+    [message] = CompletionRequest(prompt="x", response_format={"type": "json_object"}) \
+        .to_generate_requests("c")
+    assert message.structured_output.WhichOneof("format") == "json_object"
+    [message] = ChatCompletionRequest(messages=chat, response_format={"type": "text"}) \
+        .to_generate_requests("c")
+    assert not message.HasField("structured_output")
+    [message] = ChatCompletionRequest(messages=chat, response_format={
+        "type": "json_schema", "json_schema": {"name": "any"}}).to_generate_requests("c")
+    assert json.loads(message.structured_output.json_schema) == {}
+    with pytest.raises(OpenAIError) as info:
+        ChatCompletionRequest(messages=chat, response_format={"type": "json_schema"}) \
+            .to_generate_requests("c")
+    assert info.value.param == "response_format"
+    with pytest.raises(ValidationError, match="response_format"):
+        ChatCompletionRequest(messages=chat, response_format={"type": "yaml"})
