@@ -97,6 +97,20 @@ class AsyncEngine:
         then gets CancelledError and the result is dropped)."""
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
 
+    @property
+    def kv_lease_seconds(self) -> float:
+        """How long a pinned prompt's KV stays pinned after each renewal (configuration)."""
+        return self.engine.config.kv_lease_seconds
+
+    async def renew_kv_lease(self, handle_id: str) -> list[int] | None:
+        """LLMEngine.renew_lease on the engine thread: the pinned prompt's block ids, or None
+        when the handle is unknown or its lease expired."""
+        return await self.call(lambda e: e.renew_lease(handle_id))
+
+    async def release_kv(self, handle_id: str) -> bool:
+        """Unpins a handed-off prompt's blocks (LLMEngine.release); False when not pinned."""
+        return await self.call(lambda e: e.release(handle_id))
+
     async def run_kv_ops(self, ops: list) -> list:
         """KV rank ops (kv/rank_ops.py) on every rank of the executor, on the engine thread
         between two steps; rank 0's answer to each."""

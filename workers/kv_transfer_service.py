@@ -13,8 +13,6 @@ reads only while the lease lasts and releases after its blocks were written. Thi
 the servicers are the only places KV transfer meets protobuf."""
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from tandem.common.convert import (connector_export_from_proto, connector_export_to_proto,
@@ -56,7 +54,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         await self._check_layout(request, context)
         handle_id = request.handle_id
         # Renew the lease while the pull runs, and snapshot the block ids.
-        block_ids = await self.engine.call(lambda e: _renew_and_get_blocks(e, handle_id))
+        block_ids = await self.engine.renew_kv_lease(handle_id)
         if block_ids is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"KV handle {handle_id!r} is unknown or its lease expired")
@@ -103,8 +101,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         return connector_export_to_proto(connector.export())
 
     async def LeaseKV(self, request, context):
-        block_ids, lease_seconds = await self.engine.call(
-            lambda e: (_renew_and_get_blocks(e, request.handle_id), e.config.kv_lease_seconds))
+        block_ids = await self.engine.renew_kv_lease(request.handle_id)
         if block_ids is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"KV handle {request.handle_id!r} is unknown or its lease "
@@ -115,21 +112,11 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 f"{len(block_ids)}]")
         return worker_pb2.LeaseKVResponse(
             block_ids=block_ids[request.start_block:],
-            lease_seconds=lease_seconds)
+            lease_seconds=self.engine.kv_lease_seconds)
 
     async def ReleaseKV(self, request, context):
-        found = await self.engine.call(lambda e: e.release(request.handle_id))
+        found = await self.engine.release_kv(request.handle_id)
         return worker_pb2.ReleaseKVResponse(found=found)
-
-
-def _renew_and_get_blocks(engine, handle_id: str) -> list[int] | None:
-    if handle_id not in engine.pinned:
-        return None
-    engine.pinned[handle_id] = max(engine.pinned[handle_id],
-                                   time.monotonic() + engine.config.kv_lease_seconds)
-    seq = engine.requests[handle_id]
-    num_prompt_blocks = -(-seq.num_computed_tokens // engine.config.block_size)
-    return list(seq.block_table[:num_prompt_blocks])
 
 
 async def pull_kv(channel: grpc.aio.Channel, handle, local: KVLayout, blocks: KVBlockAccess,

@@ -8,8 +8,8 @@ handles, and the real KVTransferServicer (with a NIXL agent) on 127.0.0.1, in it
     caches = make_caches("mha", NUM_BLOCKS)  # the same bytes, rebuilt here from the seed
     source.kill()
 
-The engine is bench's PinnedHandlesEngine (AsyncEngine.call's contract over the fields the
-servicer reads): what is under test is the transfer seam.
+The engine is bench's PinnedHandlesEngine (the AsyncEngine methods the servicer calls): what
+is under test is the transfer seam.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop,
     from tandem.workers.kv.rank_group import RankGroupKV
     from tandem.workers.kv.rank_ops import RankKV
 
-    engine = PinnedHandlesEngine(handles, BLOCK_SIZE)
+    engine = PinnedHandlesEngine(handles)
 
     async def serve():
         servers, ports, endpoints, export_ids = [], {}, {}, {}

@@ -170,6 +170,18 @@ class LLMEngine:
 
     # -- disaggregation: the prefill side pins, the decode side receives ----------------------
 
+    def renew_lease(self, request_id: str) -> list[int] | None:
+        """Extend a pinned request's lease to kv_lease_seconds from now (never shortening
+        it); the blocks holding its prompt's KV, or None when it is not pinned (unknown,
+        released or expired)."""
+        if request_id not in self.pinned:
+            return None
+        self.pinned[request_id] = max(self.pinned[request_id],
+                                      time.monotonic() + self.config.kv_lease_seconds)
+        seq = self.requests[request_id]
+        num_prompt_blocks = -(-seq.num_computed_tokens // self.config.block_size)
+        return list(seq.block_table[:num_prompt_blocks])
+
     def release(self, request_id: str) -> bool:
         """Unpin a prefilled request's blocks (its decode worker has them now)."""
         if request_id not in self.pinned:
