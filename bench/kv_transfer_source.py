@@ -2,13 +2,13 @@
 its engine. Random caches shaped as ModelRunner allocates them, pinned handles, and the real
 KVTransferServicer on 127.0.0.1, in a spawned process (`source_main`).
 
-PinnedHandlesEngine is the stand-in for the engine: AsyncEngine.call's contract over the fields
-the servicer reads. Tests that run a real servicer use it too.
+PinnedHandlesEngine is the stand-in for the engine: the AsyncEngine methods the KVTransfer
+servicer calls (renew_kv_lease, release_kv, kv_lease_seconds). Tests that run a real servicer
+use it too.
 """
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import torch
 
@@ -18,19 +18,16 @@ CPU_FILL_SEED = 1234
 class PinnedHandlesEngine:
     """handle id -> its pinned source blocks, pinned until released (no lease expiry)."""
 
-    def __init__(self, handles: dict[str, list[int]], block_size: int,
-                 lease_seconds: float = 30.0) -> None:
-        self.pinned = {h: float("inf") for h in handles}
-        self.requests = {h: SimpleNamespace(num_computed_tokens=len(ids) * block_size,
-                                            block_table=list(ids))
-                         for h, ids in handles.items()}
-        self.config = SimpleNamespace(block_size=block_size, kv_lease_seconds=lease_seconds)
+    def __init__(self, handles: dict[str, list[int]], lease_seconds: float = 30.0) -> None:
+        self.pinned = {h: list(ids) for h, ids in handles.items()}
+        self.kv_lease_seconds = lease_seconds
 
-    def release(self, handle_id: str) -> bool:
+    async def renew_kv_lease(self, handle_id: str) -> list[int] | None:
+        blocks = self.pinned.get(handle_id)
+        return None if blocks is None else list(blocks)
+
+    async def release_kv(self, handle_id: str) -> bool:
         return self.pinned.pop(handle_id, None) is not None
-
-    async def call(self, fn):
-        return fn(self)
 
 
 def ends(args) -> tuple[str, str]:
@@ -82,7 +79,7 @@ def source_main(args, num_blocks: int, handles: dict, queue, stop) -> None:
         from tandem.workers.kv.nixl_backend import NixlKVAgent
 
         nixl_agent = NixlKVAgent(caches, layout)
-    engine = PinnedHandlesEngine(handles, args.block_size, lease_seconds=3600.0)
+    engine = PinnedHandlesEngine(handles, lease_seconds=3600.0)
 
     async def serve():
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),

@@ -4,9 +4,9 @@ The engine never imports generated stubs; servicers call these at the edge.
 """
 from __future__ import annotations
 
-from tandem.common.kv_exports import (CudaIpcCache, CudaIpcEndpoint, CudaIpcExport,
-                                      CudaIpcTensor, KVHandle, KVLease, NixlAgentExport,
-                                      NixlEndpoint, TensorBlocks)
+from tandem.common.kv_exports import (ConnectorEndpoint, ConnectorExport, CudaIpcCache,
+                                      CudaIpcEndpoint, CudaIpcExport, CudaIpcTensor, KVHandle,
+                                      KVLease, NixlAgentExport, NixlEndpoint, TensorBlocks)
 from tandem.common.kv_layout import KVLayout
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.structured_output import StructuredOutput
@@ -174,7 +174,24 @@ def kv_handle_from_proto(message: worker_pb2.KVHandle) -> KVHandle:
         cuda_ipc=(cuda_ipc_endpoint_from_proto(message.cuda_ipc)
                   if message.HasField("cuda_ipc") else None),
         nixl=(NixlEndpoint(message.nixl.agent_name, message.nixl.export_id)
-              if message.HasField("nixl") else None))
+              if message.HasField("nixl") else None),
+        connectors={name: ConnectorEndpoint(e.export_id, e.descriptor)
+                    for name, e in message.connectors.items()})
+
+
+def connector_endpoint_to_proto(endpoint: ConnectorEndpoint) -> worker_pb2.ConnectorEndpoint:
+    return worker_pb2.ConnectorEndpoint(export_id=endpoint.export_id,
+                                        descriptor=endpoint.descriptor)
+
+
+def connector_export_to_proto(export: ConnectorExport) -> worker_pb2.ExportConnectorResponse:
+    return worker_pb2.ExportConnectorResponse(export_id=export.export_id,
+                                              ranks=list(export.ranks))
+
+
+def connector_export_from_proto(message: worker_pb2.ExportConnectorResponse
+                                ) -> ConnectorExport:
+    return ConnectorExport(message.export_id, tuple(message.ranks))
 
 
 def kv_lease_from_proto(message: worker_pb2.LeaseKVResponse) -> KVLease:

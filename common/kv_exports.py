@@ -8,6 +8,8 @@ fields in base64), so the TP control channel carries no protobuf either.
     CudaIpcExport   a source's cache as CUDA IPC handles, one CudaIpcCache per TP rank
     NixlAgentExport a source's NIXL agent (metadata, memory type, where its blocks are); under
                     TP one per rank in `ranks`
+    ConnectorExport a source's export of a connector backend (kv/connectors.py), every rank's
+                    as that backend encodes it
     KVHandle        what a decode worker needs of a prefill's handle to pull it
     KVLease         a renewed pin: the source's block ids and how long they stay pinned
 """
@@ -99,15 +101,34 @@ class NixlAgentExport:
 
 
 @dataclass(frozen=True, slots=True)
+class ConnectorEndpoint:
+    """Where a connector backend's source is, as handles carry it: export_id changes whenever
+    the source (re)registers its cache; descriptor is the backend's own (may be empty)."""
+
+    export_id: str
+    descriptor: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorExport:
+    """A source's export of a connector backend: ranks[r] is TP rank r's, opaque here."""
+
+    export_id: str
+    ranks: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class KVHandle:
     """A prefill worker's pinned prompt, as the decode side pulls it. transports: what the
-    source offers, preferred first; cuda_ipc / nixl: set when it offers that backend."""
+    source offers, preferred first; cuda_ipc / nixl: set when it offers that backend;
+    connectors: backend name -> endpoint, for the connector backends it offers."""
 
     handle_id: str
     num_blocks: int
     transports: tuple[str, ...] = ()
     cuda_ipc: CudaIpcEndpoint | None = None
     nixl: NixlEndpoint | None = None
+    connectors: dict[str, ConnectorEndpoint] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,8 @@ The event loop never runs model code. asyncio code talks to the engine thread tw
     releasing requests; reading state). Commands are the only way engine state is touched.
   * `open_stream(request_id)`: an asyncio.Queue that receives a TokenEvent for each token of
     that request, in order; the last one has finish_reason set (or is_pinned on a prefill).
+    A request prefilled elsewhere (LLMEngine.queue_prefilled) first receives BlocksReserved
+    once the engine has allocated the blocks its KV is to be written into.
 """
 from __future__ import annotations
 
@@ -43,6 +45,11 @@ class TokenEvent:
     # engine set them when pinning; a KV handle names them (cuda-ipc needs no lease round trip).
     kv_blocks: tuple[int, ...] = ()
     lease_deadline: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReserved:
+    """A request prefilled elsewhere holds its blocks now (RECEIVING): its KV may be pulled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +97,30 @@ class AsyncEngine:
         then gets CancelledError and the result is dropped)."""
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
 
+    @property
+    def kv_lease_seconds(self) -> float:
+        """How long a pinned prompt's KV stays pinned after each renewal (configuration)."""
+        return self.engine.config.kv_lease_seconds
+
+    async def renew_kv_lease(self, handle_id: str) -> list[int] | None:
+        """LLMEngine.renew_lease on the engine thread: the pinned prompt's block ids, or None
+        when the handle is unknown or its lease expired."""
+        return await self.call(lambda e: e.renew_lease(handle_id))
+
+    async def release_kv(self, handle_id: str) -> bool:
+        """Unpins a handed-off prompt's blocks (LLMEngine.release); False when not pinned."""
+        return await self.call(lambda e: e.release(handle_id))
+
+    async def run_kv_ops(self, ops: list) -> list:
+        """KV rank ops (kv/rank_ops.py) on every rank of the executor, on the engine thread
+        between two steps; rank 0's answer to each."""
+        return await self.call(lambda e: e.executor.run_kv_ops(ops))
+
+    def submit_kv_ops(self, ops: list) -> concurrent.futures.Future:
+        """run_kv_ops for a caller that cannot await (a cancelled transfer's clean-up): queued
+        now, after every command queued before, and never dropped."""
+        return self.submit(lambda e: e.executor.run_kv_ops(ops))
+
     def seconds_without_progress(self) -> float:
         """Seconds since the engine thread last finished a step, a batch of commands or an
         idle wait: it stays small while the engine works or idles, and grows only while one
@@ -129,6 +160,10 @@ class AsyncEngine:
             if expired:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
                                ", ".join(expired))
+            reserved = engine.reserve_remote()  # blocks freed since the last turn
+            if reserved:
+                self._loop.call_soon_threadsafe(
+                    self._dispatch, [(seq.request_id, BlocksReserved()) for seq in reserved])
             if not engine.has_unfinished:
                 self._notify(None)
                 continue

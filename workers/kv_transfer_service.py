@@ -13,14 +13,13 @@ reads only while the lease lasts and releases after its blocks were written. Thi
 the servicers are the only places KV transfer meets protobuf."""
 from __future__ import annotations
 
-import time
-
 import grpc
 
-from tandem.common.convert import (cuda_ipc_export_from_proto, cuda_ipc_export_to_proto,
+from tandem.common.convert import (connector_export_from_proto, connector_export_to_proto,
+                                   cuda_ipc_export_from_proto, cuda_ipc_export_to_proto,
                                    kv_lease_from_proto, layout_from_proto, layout_to_proto,
                                    nixl_export_from_proto, nixl_export_to_proto)
-from tandem.common.kv_exports import CudaIpcExport, KVLease, NixlAgentExport
+from tandem.common.kv_exports import ConnectorExport, CudaIpcExport, KVLease, NixlAgentExport
 from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -35,13 +34,14 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
     """Serves pinned prompts' KV. Handle ids are the request ids the prefill pinned."""
 
     def __init__(self, engine: AsyncEngine, layout: KVLayout, blocks: KVBlockAccess,
-                 exporter=None, nixl_agent=None) -> None:
+                 exporter=None, nixl_agent=None, connectors: dict | None = None) -> None:
         self.engine = engine
         self.layout = layout
         self.blocks = blocks
         self.exporter = exporter  # a cuda_ipc.CudaIpcExporter when cuda-ipc is offered
-        # a nixl_backend.NixlKVAgent (TP: a nixl_ranks.RankGroupNixl) when nixl is offered
+        # a nixl_backend.NixlKVAgent (TP: a nixl_receiver.RankGroupNixl) when nixl is offered
         self.nixl_agent = nixl_agent
+        self.connectors = connectors or {}  # name -> kv.connector.KVConnector offered
 
     async def _check_layout(self, request, context) -> None:
         """Refuses (FAILED_PRECONDITION) a receiver whose expected layout ours cannot fill."""
@@ -54,7 +54,7 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
         await self._check_layout(request, context)
         handle_id = request.handle_id
         # Renew the lease while the pull runs, and snapshot the block ids.
-        block_ids = await self.engine.call(lambda e: _renew_and_get_blocks(e, handle_id))
+        block_ids = await self.engine.renew_kv_lease(handle_id)
         if block_ids is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"KV handle {handle_id!r} is unknown or its lease expired")
@@ -91,9 +91,17 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 "cuda-ipc, nixl not installed, or a CPU cache under auto)")
         return nixl_export_to_proto(self.nixl_agent.export())
 
+    async def ExportConnector(self, request, context):
+        await self._check_layout(request, context)
+        connector = self.connectors.get(request.backend)
+        if connector is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker does not offer {request.backend!r} (offered "
+                                f"connectors: {sorted(self.connectors) or 'none'})")
+        return connector_export_to_proto(connector.export())
+
     async def LeaseKV(self, request, context):
-        block_ids, lease_seconds = await self.engine.call(
-            lambda e: (_renew_and_get_blocks(e, request.handle_id), e.config.kv_lease_seconds))
+        block_ids = await self.engine.renew_kv_lease(request.handle_id)
         if block_ids is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"KV handle {request.handle_id!r} is unknown or its lease "
@@ -104,21 +112,11 @@ class KVTransferServicer(worker_pb2_grpc.KVTransferServicer):
                                 f"{len(block_ids)}]")
         return worker_pb2.LeaseKVResponse(
             block_ids=block_ids[request.start_block:],
-            lease_seconds=lease_seconds)
+            lease_seconds=self.engine.kv_lease_seconds)
 
     async def ReleaseKV(self, request, context):
-        found = await self.engine.call(lambda e: e.release(request.handle_id))
+        found = await self.engine.release_kv(request.handle_id)
         return worker_pb2.ReleaseKVResponse(found=found)
-
-
-def _renew_and_get_blocks(engine, handle_id: str) -> list[int] | None:
-    if handle_id not in engine.pinned:
-        return None
-    engine.pinned[handle_id] = max(engine.pinned[handle_id],
-                                   time.monotonic() + engine.config.kv_lease_seconds)
-    seq = engine.requests[handle_id]
-    num_prompt_blocks = -(-seq.num_computed_tokens // engine.config.block_size)
-    return list(seq.block_table[:num_prompt_blocks])
 
 
 async def pull_kv(channel: grpc.aio.Channel, handle, local: KVLayout, blocks: KVBlockAccess,
@@ -171,6 +169,13 @@ class KVPeerClient:
             worker_pb2.ExportNixlAgentRequest(expected_layout=layout_to_proto(self.layout)),
             timeout=timeout)
         return nixl_export_from_proto(response)
+
+    async def export_connector(self, backend: str, timeout: float | None) -> ConnectorExport:
+        response = await self._stub.ExportConnector(
+            worker_pb2.ExportConnectorRequest(backend=backend,
+                                              expected_layout=layout_to_proto(self.layout)),
+            timeout=timeout)
+        return connector_export_from_proto(response)
 
     async def lease(self, handle_id: str, start_block: int, timeout: float | None) -> KVLease:
         response = await self._stub.LeaseKV(

@@ -30,11 +30,10 @@ from tandem.workers.engine.model_runner import kv_cache_kind
 from tandem.workers.engine.warm_up import warm_up
 from tandem.workers.engine_health import EngineHealthWatch
 from tandem.common.kv_layout import KVLayout
-from tandem.workers.kv.block_access import kv_block_access
-from tandem.workers.kv.receiver import KVReceiver
+from tandem.workers.kv.rank_group import RankGroupKV
+from tandem.workers.kv.startup import start_kv_transfer
 from tandem.workers.kv import nixl_backend
-from tandem.workers.kv.transport import (CUDA_IPC, KV_TRANSFER_MODES, NIXL, check_kv_transfer,
-                                         nixl_wanted, offered_transports)
+from tandem.workers.kv.transport import KV_TRANSFER_MODES, NIXL, check_kv_transfer
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.ops.kernel_options import KernelOptions
 from tandem.workers.ops.jit_compiles import JitCompileWatch
@@ -97,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how prompt KV moves between workers: auto (cuda-ipc, GPU to GPU, "
                         "between CUDA workers on one host; else nixl between CUDA workers "
                         "when nixl is installed; else grpc) | grpc | "
-                        "cuda-ipc | nixl (required: a handle that cannot use it fails; nixl "
-                        "needs the tandem[nixl] extra, and works on CPU caches too)")
+                        "cuda-ipc | nixl | mori (required: a handle that cannot use it fails; "
+                        "nixl needs the tandem[nixl] extra, and works on CPU caches too; mori, "
+                        "untested, needs ROCm and AMD's mori package)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many processes (one per GPU; this one is "
@@ -208,32 +208,12 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         metrics.serve(args.metrics_port, args.metrics_host)
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
     address = f"{args.host}:{args.port}"
-    layout = KVLayout.from_kv_caches(engine.runner.kv_caches, tp_rank=0,
-                                     tp_size=engine.config.tensor_parallel_size,
+    layout = KVLayout.from_kv_caches(engine.executor.kv_caches, tp_rank=0,
+                                     tp_size=engine.executor.tp_size,
                                      kind=kv_cache_kind(engine.model))
-    blocks = kv_block_access(
-        engine.runner.kv_caches, engine.config.tensor_parallel_size,
-        gather=lambda ids: async_engine.call(lambda e: e.runner.gather_kv_blocks(ids)),
-        scatter=lambda ids, joined: async_engine.call(
-            lambda e: e.runner.scatter_kv_blocks(ids, joined)))
+    kv = await start_kv_transfer(args.kv_transfer, engine.executor.kv_caches, layout,
+                                 RankGroupKV(async_engine, engine.executor.tp_size))
     peers = PeerChannels(tls, internal_token)
-    device = engine.runner.kv_caches[0][0].device
-    tp_size = engine.config.tensor_parallel_size
-    nixl_agent = await _nixl_agent(args.kv_transfer, async_engine, layout)
-    transports = offered_transports(args.kv_transfer, device.type,
-                                    nixl_ready=nixl_agent is not None)
-    rank_caches = None
-    if tp_size > 1 and CUDA_IPC in transports:
-        # Every rank compiles its gather and exports its cache (parallel/ipc_ranks.py).
-        rank_caches = await async_engine.call(lambda e: e.runner.setup_kv_ipc())
-    exporter = None
-    if CUDA_IPC in transports:
-        from tandem.workers.kv.cuda_ipc import CudaIpcExporter
-
-        exporter = CudaIpcExporter(engine.runner.kv_caches, layout, rank_caches)
-    receiver = KVReceiver(args.kv_transfer, layout, blocks, engine.runner.kv_caches, device,
-                          tp_size, nixl_agent, engine=async_engine)
-    logger.info("KV transfer %s: offering %s", args.kv_transfer, ", ".join(transports))
     interceptors = ([InternalTokenInterceptor(internal_token,
                                                tuple(f"/{name}/" for name in SERVICE_NAMES))]
                     if internal_token else [])
@@ -242,14 +222,16 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
                        "call Worker and KVTransfer", address)
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     worker_servicer = WorkerServicer(
-        async_engine, args.role, model_name, address, layout, peers, blocks, metrics,
-        kv_receiver=receiver, kv_transports=transports,
-        cuda_ipc_endpoint=exporter.endpoint if exporter else None,
-        nixl_endpoint=nixl_agent.endpoint if nixl_agent else None,
+        async_engine, args.role, model_name, address, layout, peers, kv.blocks, metrics,
+        kv_receiver=kv.receiver, kv_transports=kv.transports,
+        cuda_ipc_endpoint=kv.cuda_ipc_exporter.endpoint if kv.cuda_ipc_exporter else None,
+        nixl_endpoint=kv.nixl_agent.endpoint if kv.nixl_agent else None,
+        connector_endpoints={name: c.endpoint for name, c in kv.connectors.items()},
         kv_pull_failure=args.kv_pull_failure)
     worker_pb2_grpc.add_WorkerServicer_to_server(worker_servicer, server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
-        KVTransferServicer(async_engine, layout, blocks, exporter, nixl_agent), server)
+        KVTransferServicer(async_engine, layout, kv.blocks, kv.cuda_ipc_exporter,
+                           kv.nixl_agent, kv.connectors), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -284,8 +266,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     worker_servicer.kv_events.close()  # KV event streams never end on their own
     await server.stop(args.shutdown_grace_seconds)
     await peers.close()
-    if nixl_agent is not None:
-        nixl_agent.close()
+    kv.close()
     if lost_follower.is_set():
         raise LostFollowerRank()
 
@@ -304,27 +285,6 @@ def _exit_without_teardown(engine) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(LOST_FOLLOWER_EXIT_CODE)
-
-
-async def _nixl_agent(mode: str, async_engine: AsyncEngine, layout: KVLayout):
-    """This worker's NIXL agent over its cache (TP: a nixl_ranks.RankGroupNixl, an agent per
-    rank), or None (transport.py says when). In nixl mode a failure stops the worker
-    (ValueError); in auto it is logged and nixl is not offered."""
-    runner = async_engine.engine.runner
-    device_type = runner.kv_caches[0][0].device.type
-    if not nixl_wanted(mode, device_type, nixl_backend.is_installed()):
-        return None
-    try:
-        if layout.tp_size > 1:
-            from tandem.workers.parallel.nixl_ranks import RankGroupNixl
-
-            return await RankGroupNixl.start(async_engine, layout)
-        return await asyncio.to_thread(nixl_backend.NixlKVAgent, runner.kv_caches, layout)
-    except (nixl_backend.NixlUnavailable, ValueError) as exc:
-        if mode == NIXL:
-            raise ValueError(f"--kv-transfer nixl: {exc}") from exc
-        logger.warning("KV transfer auto: not offering nixl (%s)", exc)
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

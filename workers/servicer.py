@@ -13,18 +13,19 @@ import time
 
 import grpc
 
-from tandem.common.convert import (cuda_ipc_endpoint_to_proto, engine_params_from_proto,
+from tandem.common.convert import (connector_endpoint_to_proto, cuda_ipc_endpoint_to_proto,
+                                   engine_params_from_proto,
                                    finish_reason_to_proto, kv_handle_from_proto,
                                    layout_from_proto, layout_to_proto, logprob_to_proto,
                                    nixl_endpoint_to_proto)
 from tandem.common.errors import AlreadyExistsError, OutOfRangeError
-from tandem.common.kv_exports import CudaIpcEndpoint, NixlEndpoint
+from tandem.common.kv_exports import ConnectorEndpoint, CudaIpcEndpoint, NixlEndpoint
 from tandem.common.kv_layout import KVLayout, KVLayoutMismatch
 from tandem.common.logging import get_logger
 from tandem.common.metrics import WorkerMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.workers.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.workers.async_engine import AsyncEngine, BlocksReserved, EngineFailure, TokenEvent
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
@@ -66,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  kv_transports: list[str] | None = None,
                  cuda_ipc_endpoint: CudaIpcEndpoint | None = None,
                  nixl_endpoint: NixlEndpoint | None = None,
+                 connector_endpoints: dict[str, ConnectorEndpoint] | None = None,
                  kv_pull_failure: str = "recompute") -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
@@ -84,6 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_transports = kv_transports or ["grpc"]  # offered in this worker's handles
         self.cuda_ipc_endpoint = cuda_ipc_endpoint
         self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
+        self.connector_endpoints = connector_endpoints or {}  # connector backends offered
         self.kv_pull_failure = kv_pull_failure
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
@@ -128,7 +131,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             pull_seconds = 0.0
             if request.HasField("kv_handle"):
-                pull_seconds = await self._receive_kv(request, params, prompt, generated, context)
+                pull_seconds = await self._receive_kv(request, params, prompt, generated,
+                                                      context, stream)
             elif generated:  # migrated: compute the prompt and the tokens made elsewhere
                 await self._resume(context, prompt, generated, params, request_id)
             else:
@@ -267,6 +271,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             lease_expires_at=time.time() + lease, transports=self.kv_transports)
         if self.nixl_endpoint is not None:
             handle.nixl.CopyFrom(nixl_endpoint_to_proto(self.nixl_endpoint))
+        for name, endpoint in self.connector_endpoints.items():
+            handle.connectors[name].CopyFrom(connector_endpoint_to_proto(endpoint))
         if self.cuda_ipc_endpoint is not None:
             handle.cuda_ipc.CopyFrom(cuda_ipc_endpoint_to_proto(self.cuda_ipc_endpoint))
             if len(event.kv_blocks) >= num_blocks and event.lease_deadline > 0:
@@ -274,7 +280,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 handle.cuda_ipc.lease_deadline_monotonic = event.lease_deadline
         return handle
 
-    async def _receive_kv(self, request, params, prompt, generated, context) -> float:
+    async def _receive_kv(self, request, params, prompt, generated, context,
+                          stream: asyncio.Queue) -> float:
         """Reserve blocks, pull the prompt's KV from the prefill worker, release it there,
         and start decoding. A pull that fails (source gone, lease expired, transfer failed)
         makes the prompt computed here (`recompute`) or fails the call UNAVAILABLE (`fail`).
@@ -287,7 +294,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             layout_from_proto(handle.layout).check_readable_by(self.layout)
         except KVLayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        seq = await self._reserve(context, prompt, generated, params, request.request_id)
+        seq = await self._reserve(context, stream, prompt, generated, params,
+                                  request.request_id)
         start_block = seq.num_cached_tokens // self.layout.block_size
         block_ids = seq.block_table[start_block:handle.num_blocks]
         channel = self.peers.get(handle.source_address)
@@ -345,25 +353,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                          deadline=deadline)
         await self._queue_request(context, abort_and_resume)
 
-    async def _reserve(self, context, prompt, generated, params, request_id):
-        deadline = time.monotonic() + MAX_BLOCK_WAIT_SECONDS
-        call_deadline = _deadline(context)
-        while True:
-            try:
-                seq = await self.engine.call(lambda e: e.reserve_prefilled(
-                    prompt, generated, params, request_id, deadline=call_deadline))
-            except OutOfRangeError as exc:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-            except ValueError as exc:  # a structured_output grammar known not to compile
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if seq is not None:
-                await self._await_grammar(context, seq)
-                return seq
-            if time.monotonic() > deadline:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"no free KV blocks for {len(prompt)} tokens within "
-                                    f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
-            await asyncio.sleep(0.01)
+    async def _reserve(self, context, stream, prompt, generated, params, request_id):
+        """Queue the request for blocks to receive its KV into (WAITING_FOR_REMOTE_KVS) and
+        wait until the engine reserved them (and a constrained request's grammar compiled);
+        RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS (the request leaves the queue)."""
+        try:
+            seq = await self.engine.call(lambda e: e.queue_prefilled(
+                prompt, generated, params, request_id, deadline=_deadline(context)))
+        except OutOfRangeError as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        except ValueError as exc:  # a structured_output grammar known not to compile
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            event = await asyncio.wait_for(stream.get(), MAX_BLOCK_WAIT_SECONDS)
+        except TimeoutError:
+            self._abort_soon(request_id)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no free KV blocks for {len(prompt)} tokens within "
+                                f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
+        if isinstance(event, EngineFailure):
+            await context.abort(grpc.StatusCode.INTERNAL, event.message)
+        if not isinstance(event, BlocksReserved):
+            raise RuntimeError(f"request {request_id}: expected its blocks, got {event!r}")
+        await self._await_grammar(context, seq)
+        return seq
 
 
 def _deadline(context) -> float | None:

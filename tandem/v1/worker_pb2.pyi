@@ -56,7 +56,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at", "transports", "cuda_ipc", "nixl")
+    __slots__ = ("handle_id", "backend", "source_address", "layout", "num_tokens", "num_blocks", "lease_expires_at", "transports", "cuda_ipc", "nixl", "connectors")
+    class ConnectorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ConnectorEndpoint
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ConnectorEndpoint, _Mapping]] = ...) -> None: ...
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +74,7 @@ class KVHandle(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
+    CONNECTORS_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     backend: str
     source_address: str
@@ -77,7 +85,16 @@ class KVHandle(_message.Message):
     transports: _containers.RepeatedScalarFieldContainer[str]
     cuda_ipc: CudaIpcEndpoint
     nixl: NixlEndpoint
-    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., nixl: _Optional[_Union[NixlEndpoint, _Mapping]] = ...) -> None: ...
+    connectors: _containers.MessageMap[str, ConnectorEndpoint]
+    def __init__(self, handle_id: _Optional[str] = ..., backend: _Optional[str] = ..., source_address: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., transports: _Optional[_Iterable[str]] = ..., cuda_ipc: _Optional[_Union[CudaIpcEndpoint, _Mapping]] = ..., nixl: _Optional[_Union[NixlEndpoint, _Mapping]] = ..., connectors: _Optional[_Mapping[str, ConnectorEndpoint]] = ...) -> None: ...
+
+class ConnectorEndpoint(_message.Message):
+    __slots__ = ("export_id", "descriptor")
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    export_id: str
+    descriptor: bytes
+    def __init__(self, export_id: _Optional[str] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
 
 class NixlEndpoint(_message.Message):
     __slots__ = ("agent_name", "export_id")
@@ -342,3 +359,19 @@ class NixlTensor(_message.Message):
     num_blocks: int
     device_id: int
     def __init__(self, base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class ExportConnectorRequest(_message.Message):
+    __slots__ = ("backend", "expected_layout")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    expected_layout: KVLayout
+    def __init__(self, backend: _Optional[str] = ..., expected_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class ExportConnectorResponse(_message.Message):
+    __slots__ = ("export_id", "ranks")
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    export_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, export_id: _Optional[str] = ..., ranks: _Optional[_Iterable[bytes]] = ...) -> None: ...

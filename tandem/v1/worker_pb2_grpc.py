@@ -322,6 +322,11 @@ class KVTransferStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.FromString,
                 _registered_method=True)
+        self.ExportConnector = channel.unary_unary(
+                '/tandem.v1.KVTransfer/ExportConnector',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ExportConnectorRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ExportConnectorResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -370,6 +375,16 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportConnector(self, request, context):
+        """A connector backend (KVHandle.connectors, e.g. mori): the source's export of that
+        backend, opaque to all but the backend, fetched once per peer (and again when the
+        handle's export_id for it changes). FAILED_PRECONDITION on a layout mismatch or when the
+        worker does not offer that backend.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -397,6 +412,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.ExportNixlAgent,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.SerializeToString,
+            ),
+            'ExportConnector': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportConnector,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ExportConnectorRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ExportConnectorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -537,6 +557,33 @@ class KVTransfer:
             '/tandem.v1.KVTransfer/ExportNixlAgent',
             tandem_dot_v1_dot_worker__pb2.ExportNixlAgentRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ExportNixlAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportConnector(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/ExportConnector',
+            tandem_dot_v1_dot_worker__pb2.ExportConnectorRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ExportConnectorResponse.FromString,
             options,
             channel_credentials,
             insecure,

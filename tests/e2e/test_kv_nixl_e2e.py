@@ -127,7 +127,7 @@ def test_a_vanished_prefill_worker_fails_the_decode_unavailable_without_leaking(
 
 def test_tp2_workers_hand_kv_off_rank_to_rank_over_nixl(checkpoint, tmp_path):
     """TP=2 prefill -> TP=2 decode with --kv-transfer nixl: every rank has its own agent and
-    READs its KV head from the source's rank of the same number (parallel/nixl_ranks.py); the
+    READs its KV head from the source's rank of the same number (workers/kv/nixl_ranks.py); the
     tokens equal transformers', also for a stream decoding on the same worker while the
     handoffs' READs are posted and polled between its steps, and both workers end with no KV
     block in use."""

@@ -1,6 +1,6 @@
-"""The TP cuda-ipc copy protocol (workers/parallel/ipc_ranks.py) with real CUDA IPC copies: two
-rank processes (on cuda:0 and cuda:1, or both on cuda:0 with one GPU), each the other's
-source, over a real gloo group.
+"""The TP cuda-ipc copy protocol (workers/kv/ipc_ranks.py, driven by KV rank ops) with real CUDA
+IPC copies: two rank processes (on cuda:0 and cuda:1, or both on cuda:0 with one GPU), each the
+other's source, over a real gloo group.
 
 * A posted copy, polled until settled, lands every rank's blocks bit for bit (block-major
   caches, as ModelRunner allocates them), and no rank keeps the copy afterwards.
@@ -21,8 +21,9 @@ from tandem.common.kv_exports import (CudaIpcEndpoint, CudaIpcExport,
                                       cuda_ipc_cache_from_bytes, to_bytes)
 from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv import cuda_ipc
+from tandem.workers.kv.ipc_ranks import RankIpcPeers
+from tandem.workers.kv.rank_ops import AddPeer, Load, Poll, RankKV
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
-from tandem.workers.parallel.ipc_ranks import RankIpcPeers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 WORLD = 2
@@ -50,11 +51,17 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
             endpoint=CudaIpcEndpoint("", "", ""), layout=layout,
             ranks=tuple(cuda_ipc_cache_from_bytes(exports[1 - r]) for r in range(WORLD)))
         ipc = RankIpcPeers(dest_caches, device, rank)
-        results = {"map": failed_ranks(ipc.map(0, response), None)}
+        ranks = RankKV(dest_caches, device, rank, WORLD)
+        ranks.connectors["cuda-ipc"] = ipc
 
-        outcome = ipc.post(1, 0, SRC_IDS, DST_IDS, None)
+        def run(op):
+            return ranks.run([op], None)[0]
+
+        results = {"map": run(AddPeer("cuda-ipc", 0, to_bytes(response)))}
+
+        outcome = run(Load("cuda-ipc", 1, 0, SRC_IDS, DST_IDS, 0.0))
         while not outcome.settled:
-            outcome = ipc.poll(1, False, None)
+            outcome = run(Poll("cuda-ipc", 1))
         results["copy"] = outcome.statuses
         mine = source[SRC_IDS].view(torch.int16).flatten().cpu().int()  # bits; gloo: no int16
         sources = [torch.empty_like(mine) for _ in range(WORLD)]
@@ -66,7 +73,8 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
 
         # Rank 1 copies from a slot it never mapped: failed there, rank 0's copy waited out.
         slot = 0 if rank == 0 else 7
-        results["one_failed"] = ipc.post(2, slot, SRC_IDS, [0, 6, 7, 10, 11], None).statuses
+        results["one_failed"] = run(Load("cuda-ipc", 2, slot, SRC_IDS, [0, 6, 7, 10, 11],
+                                         0.0)).statuses
         results["in_flight"] = ipc.copies_in_flight
         results["after"] = failed_ranks(True, None)  # still in step
         with open(out_path, "w") as f:

@@ -3,11 +3,13 @@ handles, and the real KVTransferServicer (with a NIXL agent) on 127.0.0.1, in it
 
     source = KVSource.start(kinds=("mha",), handles={"h": [5, 2, 3]})   # spawned process
     source.ports["mha"], source.endpoints["mha"]                         # where, which agent
+    source.connector_export_ids["mha"]  # with connector=True: the nixl backend also served
+                                        # as a connector (kv/connector.py), this export id
     caches = make_caches("mha", NUM_BLOCKS)  # the same bytes, rebuilt here from the seed
     source.kill()
 
-The engine is bench's PinnedHandlesEngine (AsyncEngine.call's contract over the fields the
-servicer reads): what is under test is the transfer seam.
+The engine is bench's PinnedHandlesEngine (the AsyncEngine methods the servicer calls): what
+is under test is the transfer seam.
 """
 from __future__ import annotations
 
@@ -46,7 +48,22 @@ def make_caches(kind: str, num_blocks: int, seed: int | None = SEED
                   for w in widths) for _ in range(NUM_LAYERS)]
 
 
-def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -> None:
+class OneRank:
+    """A one-rank worker's KV rank ops, run in this thread (as the one-rank executor's
+    run_kv_ops runs them on the engine thread)."""
+
+    def __init__(self, rank_kv) -> None:
+        self.rank_kv = rank_kv
+
+    async def run_kv_ops(self, ops: list) -> list:
+        return self.rank_kv.run(ops, None)
+
+    def submit_kv_ops(self, ops: list) -> None:
+        self.rank_kv.run(ops, None)
+
+
+def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop,
+           connector: bool = False) -> None:
     import grpc
 
     from tandem.bench.kv_transfer_source import PinnedHandlesEngine
@@ -55,25 +72,34 @@ def _serve(kinds: tuple[str, ...], handles: dict[str, list[int]], queue, stop) -
     from tandem.workers.kv.block_access import DirectKVBlocks
     from tandem.workers.kv_transfer_service import KVTransferServicer
     from tandem.common.kv_layout import KVLayout
+    from tandem.workers.kv.connector import KVConnector
     from tandem.workers.kv.nixl_backend import NixlKVAgent
+    from tandem.workers.kv.rank_group import RankGroupKV
+    from tandem.workers.kv.rank_ops import RankKV
 
-    engine = PinnedHandlesEngine(handles, BLOCK_SIZE)
+    engine = PinnedHandlesEngine(handles)
 
     async def serve():
-        servers, ports, endpoints = [], {}, {}
+        servers, ports, endpoints, export_ids = [], {}, {}, {}
         for kind in kinds:
             caches = make_caches(kind, NUM_BLOCKS)
             layout = KVLayout.from_kv_caches(caches, kind=kind)
-            agent = NixlKVAgent(caches, layout)
+            agent, connectors = None, {}
+            if connector:
+                ranks = RankGroupKV(OneRank(RankKV(caches, torch.device("cpu"), 0, 1)), 1)
+                connectors["nixl"] = await KVConnector.start("nixl", ranks, layout, "auto")
+                export_ids[kind] = connectors["nixl"].endpoint.export_id
+            else:
+                agent = NixlKVAgent(caches, layout)
+                endpoints[kind] = nixl_endpoint_to_proto(agent.endpoint).SerializeToString()
             server = grpc.aio.server()
             worker_pb2_grpc.add_KVTransferServicer_to_server(
-                KVTransferServicer(engine, layout, DirectKVBlocks(caches), None, agent),
-                server)
+                KVTransferServicer(engine, layout, DirectKVBlocks(caches), None, agent,
+                                   connectors), server)
             ports[kind] = server.add_insecure_port("127.0.0.1:0")
-            endpoints[kind] = nixl_endpoint_to_proto(agent.endpoint).SerializeToString()
             await server.start()
             servers.append(server)
-        queue.put((ports, endpoints))
+        queue.put((ports, endpoints, export_ids))
         while not stop.is_set():
             await asyncio.sleep(0.05)
         for server in servers:
@@ -88,19 +114,22 @@ class KVSource:
     stop_event: object
     ports: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, bytes] = field(default_factory=dict)  # serialized NixlEndpoint
+    connector_export_ids: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, kinds: tuple[str, ...], handles: dict[str, list[int]]) -> KVSource:
+    def start(cls, kinds: tuple[str, ...], handles: dict[str, list[int]],
+              connector: bool = False) -> KVSource:
         ctx = multiprocessing.get_context("spawn")
         queue, stop = ctx.Queue(), ctx.Event()
-        process = ctx.Process(target=_serve, args=(kinds, handles, queue, stop), daemon=True)
+        process = ctx.Process(target=_serve, args=(kinds, handles, queue, stop, connector),
+                              daemon=True)
         process.start()
         try:
-            ports, endpoints = queue.get(timeout=120)
+            ports, endpoints, export_ids = queue.get(timeout=120)
         except Exception:
             process.kill()
             raise
-        return cls(process, stop, ports, endpoints)
+        return cls(process, stop, ports, endpoints, export_ids)
 
     def address(self, kind: str) -> str:
         return f"127.0.0.1:{self.ports[kind]}"

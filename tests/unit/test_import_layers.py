@@ -1,7 +1,8 @@
 """Imports run downward only (DESIGN.md, KV transfer): the KV transfer code (workers/kv/) and the
 rank-group code (workers/parallel/) import neither the engine, the async engine, the servicers
-nor the protobuf stubs (protobuf is converted at the edge, common/convert.py); common/ imports
-nothing from workers/. The engine steps an executor built before it (workers/executor/) and
+nor the protobuf stubs (protobuf is converted at the edge, common/convert.py), and the
+rank-group code imports no KV transfer and no executor either (the KV transfer of a TP worker
+rides the step broadcast as opaque KV rank ops); common/ imports nothing from workers/. The engine steps an executor built before it (workers/executor/) and
 imports nothing that starts or drives other ranks. Every import statement counts, those inside
 functions too."""
 from __future__ import annotations
@@ -15,7 +16,8 @@ FORBIDDEN = {
     "workers/kv": ("tandem.workers.engine", "tandem.workers.async_engine",
                    "tandem.workers.servicer", "tandem.v1", "tandem.common.convert"),
     "workers/parallel": ("tandem.workers.engine", "tandem.workers.async_engine",
-                         "tandem.workers.servicer", "tandem.v1", "tandem.common.convert"),
+                         "tandem.workers.servicer", "tandem.v1", "tandem.common.convert",
+                         "tandem.workers.kv", "tandem.workers.executor"),
     "common": ("tandem.workers",),
     "workers/engine/engine.py": ("tandem.workers.parallel", "tandem.workers.executor.rank_runner",
                                  "tandem.workers.executor.followers"),

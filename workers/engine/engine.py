@@ -183,6 +183,18 @@ class LLMEngine:
 
     # -- disaggregation: the prefill side pins, the decode side receives ----------------------
 
+    def renew_lease(self, request_id: str) -> list[int] | None:
+        """Extend a pinned request's lease to kv_lease_seconds from now (never shortening
+        it); the blocks holding its prompt's KV, or None when it is not pinned (unknown,
+        released or expired)."""
+        if request_id not in self.pinned:
+            return None
+        self.pinned[request_id] = max(self.pinned[request_id],
+                                      time.monotonic() + self.config.kv_lease_seconds)
+        seq = self.requests[request_id]
+        num_prompt_blocks = -(-seq.num_computed_tokens // self.config.block_size)
+        return list(seq.block_table[:num_prompt_blocks])
+
     def release(self, request_id: str) -> bool:
         """Unpin a prefilled request's blocks (its decode worker has them now)."""
         if request_id not in self.pinned:
@@ -200,31 +212,58 @@ class LLMEngine:
         self.num_expired_leases += len(expired)
         return expired
 
+    def queue_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                        params: SamplingParams, request_id: str,
+                        deadline: float | None = None) -> Sequence:
+        """Queue a request prefilled elsewhere until blocks are free to write its KV into
+        (status WAITING_FOR_REMOTE_KVS, outside scheduling). `reserve_remote` allocates them,
+        in queue order, and the sequence becomes RECEIVING until `activate_prefilled`; its
+        leading `seq.num_cached_tokens` tokens were found in the local prefix cache and need no
+        pull. abort() takes it out of the queue like any request. A constrained request's
+        first decode step waits for its grammar: callers await `seq.grammar.compiled` before
+        activating it."""
+        seq = self._prefilled_sequence(prompt_token_ids, generated_token_ids, params,
+                                       request_id, deadline)
+        self._queue_remote(seq)
+        return seq
+
+    def reserve_remote(self) -> list[Sequence]:
+        """Blocks for the queued prefilled requests that fit now, in queue order; the ones
+        that got them (RECEIVING)."""
+        return self.scheduler.reserve_remote()
+
     def reserve_prefilled(self, prompt_token_ids: list[int], generated_token_ids: list[int],
                           params: SamplingParams, request_id: str,
                           deadline: float | None = None) -> Sequence | None:
-        """Allocate blocks for a request prefilled elsewhere, so its KV can be written into them.
+        """queue_prefilled and reserve_remote at once, for a caller that drives the engine
+        itself: the sequence, RECEIVING, or None (nothing kept, nothing counted) when its
+        blocks are not free now or other prefilled requests wait before it."""
+        if self.scheduler.waiting_for_remote_kvs:
+            return None
+        seq = self._prefilled_sequence(prompt_token_ids, generated_token_ids, params,
+                                       request_id, deadline)
+        if not self.block_manager.can_allocate(seq):
+            return None
+        self._queue_remote(seq)
+        reserved = self.reserve_remote()
+        assert reserved == [seq], "an empty queue's only request fits: checked above"
+        return seq
 
-        Returns None when the blocks are not free now (retry later). The sequence is outside
-        the scheduler (status RECEIVING) until `activate_prefilled`; its leading
-        `seq.num_cached_tokens` tokens were found in the local prefix cache and need no pull.
-        A constrained request's first decode step waits for its grammar: callers await
-        `seq.grammar.compiled` before activating it.
-        """
+    def _prefilled_sequence(self, prompt_token_ids: list[int], generated_token_ids: list[int],
+                            params: SamplingParams, request_id: str,
+                            deadline: float | None) -> Sequence:
         if not generated_token_ids:
             raise ValueError("a prefilled request needs its first generated token")
         seq = self._new_sequence(prompt_token_ids, params, request_id, deadline)
         seq.token_ids.extend(generated_token_ids)
-        if not self.block_manager.can_allocate(seq):
-            return None
+        return seq
+
+    def _queue_remote(self, seq: Sequence) -> None:
         self._attach_grammar(seq)
         self.requests[seq.request_id] = seq
-        self.block_manager.allocate(seq)
-        seq.num_prefix_hit_tokens = seq.num_cached_tokens
-        seq.status = SequenceStatus.RECEIVING
-        advance_request_generator(seq, len(generated_token_ids), self.resolved.vocab_size,
+        advance_request_generator(seq, seq.num_completion_tokens, self.resolved.vocab_size,
                                   self.resolved.device)
-        return seq
+        self.scheduler.add_remote(seq)
 
     def activate_prefilled(self, seq: Sequence, num_computed_tokens: int) -> None:
         """The KV of the first num_computed_tokens tokens is in seq's blocks: start decoding."""

@@ -46,6 +46,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # admission order
+        # prefilled elsewhere, waiting for blocks to receive their KV into (FIFO; never
+        # scheduled: reserve_remote moves them to RECEIVING, outside the scheduler)
+        self.waiting_for_remote_kvs: deque[Sequence] = deque()
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -117,6 +120,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def add_remote(self, seq: Sequence) -> None:
+        """Queue a sequence prefilled elsewhere until blocks are free for its KV."""
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs.append(seq)
+
+    def reserve_remote(self) -> list[Sequence]:
+        """Allocate blocks to the queued remote-KV sequences, in order, while they fit; the
+        ones that got them (now RECEIVING: their KV may be written)."""
+        reserved = []
+        queue = self.waiting_for_remote_kvs
+        while queue and self.block_manager.can_allocate(queue[0]):
+            seq = queue.popleft()
+            self.block_manager.allocate(seq)
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RECEIVING
+            reserved.append(seq)
+        return reserved
+
     def pin(self, seq: Sequence) -> None:
         """Take a prefilled sequence out of scheduling, keeping its blocks (PINNED)."""
         self.running.remove(seq)
@@ -139,3 +160,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.waiting_for_remote_kvs:
+            self.waiting_for_remote_kvs.remove(seq)

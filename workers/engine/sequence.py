@@ -15,6 +15,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # done; its blocks have been freed
     PINNED = "pinned"  # prefill done; blocks kept (outside the scheduler) for a decode worker
     RECEIVING = "receiving"  # blocks allocated (outside the scheduler); KV arriving from a peer
+    # prefilled elsewhere: queued (outside scheduling, no blocks) until blocks are free to
+    # receive its KV into, then RECEIVING
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
 
 
 class FinishReason(str, enum.Enum):

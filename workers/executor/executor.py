@@ -6,6 +6,7 @@ decided once here, before the engine is built:
     executor = build_executor(config)      # the worker / tandem.LLM, at start-up
     engine = LLMEngine(config, executor)
     output = executor.execute(batch)       # per step: SamplerOutput (None: nothing sampled)
+    answers = executor.run_kv_ops(ops)     # KV transfer work on every rank (kv/rank_ops.py)
     executor.shutdown()                    # via engine.shutdown(), after the last step
 
 `OneRankExecutor`: the model in this process. `MultiRankExecutor`: tensor parallelism; this
@@ -33,6 +34,8 @@ from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.executor.rank_runner import LeaderRunner, RankGroup
+from tandem.workers.executor.step_inputs import pack_kv_ops
+from tandem.workers.kv.rank_ops import KVRankOp, RankKV, encode_ops
 from tandem.workers.models.loader import load_hf_config
 from tandem.workers.ops import kernel_options
 from tandem.workers.ops.backend import KernelBackend, resolve_backend
@@ -54,6 +57,16 @@ class Executor:
         self.runner = runner
         self.resolved = resolved
         self.sampler = Sampler(resolved.eos_token_ids, seed=seed)
+        self.rank_kv = RankKV(runner.kv_caches, resolved.device, 0, self.tp_size)
+
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @property
+    def kv_caches(self):
+        """This rank's (rank 0's) KV cache: [layer] -> tuple of [blocks, ...] tensors."""
+        return self.runner.kv_caches
 
     @property
     def rank_group(self) -> RankGroup | None:
@@ -67,9 +80,15 @@ class Executor:
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         return self.sampler(logits, sampled) if sampled else None
 
+    def run_kv_ops(self, ops: list[KVRankOp]) -> list:
+        """Runs KV rank ops on every rank, in order; rank 0's answer to each. Engine thread
+        only (between steps), like every collective of the rank group."""
+        return self.rank_kv.run(ops, None)
+
     def shutdown(self) -> None:
         """Releases what other processes share with this one. Idempotent; call it from the
         thread that drove the steps, after the last one."""
+        self.rank_kv.close()
 
 
 class OneRankExecutor(Executor):
@@ -81,16 +100,28 @@ class MultiRankExecutor(Executor):
 
     def __init__(self, loaded: LoadedModel, runner: LeaderRunner, resolved: ResolvedConfig,
                  seed: int, group: RankGroup) -> None:
-        super().__init__(loaded, runner, resolved, seed)
         self._group = group
+        super().__init__(loaded, runner, resolved, seed)
 
     @property
     def rank_group(self) -> RankGroup:
         return self._group
 
+    @property
+    def tp_size(self) -> int:
+        return self._group.tp_size
+
+    def run_kv_ops(self, ops: list[KVRankOp]) -> list:
+        """The ops go to the followers as a STEP of ops alone (parallel/messages.py); every
+        rank runs them in the same order."""
+        with self._group.fatal_on_error("KV rank ops"):
+            self._group.send(*pack_kv_ops(encode_ops(ops)))
+            return self.rank_kv.run(ops, self._group.control_group)
+
     def shutdown(self) -> None:
         """Stops the follower ranks and leaves their process group. NCCL's teardown waits for
         the CUDA graphs that captured its collectives, so the graphs go first."""
+        self.rank_kv.close()
         self.runner.release_cuda_graphs()
         self._group.shutdown()
 

@@ -9,11 +9,11 @@ One rank (`DirectKVBlocks`): the event loop reads pinned blocks and writes reser
 this process's cache directly; the engine never touches them meanwhile (block_payload.py).
 
 Several TP ranks (`RankGroupKVBlocks`): each rank holds its KV heads of every block
-(parallel/kv_shards.py), and only the engine thread may issue collectives on the rank group
+(kv_shards.py), and only the engine thread may issue collectives on the rank group
 (executor/rank_runner.py). So the sender asks the engine thread to gather every rank's heads
 of the blocks into one host copy, and the receiver stages the payload on the host and asks
-the engine thread to scatter it (`gather` and `scatter`: the worker's engine commands, passed
-in, so this module knows nothing of the engine). On the wire the blocks look like one rank's
+the engine thread to scatter it (`gather` and `scatter`: KV rank ops every rank runs,
+rank_group.RankGroupKV, passed in, so this module knows nothing of the engine). On the wire the blocks look like one rank's
 with tp times the heads; the KV layout in the handle still carries the per-rank heads and
 tp_size, so workers with different TP sizes refuse each other's handles
 (KVLayout.check_readable_by).
@@ -27,7 +27,7 @@ import torch
 
 from tandem.workers.kv.block_payload import KVCaches, PayloadWriter
 
-# Every rank's KV heads of the blocks, joined (parallel/kv_shards.py), on the engine thread.
+# Every rank's KV heads of the blocks, joined (kv_shards.py), on the engine thread.
 GatherBlocks = Callable[[list[int]], Awaitable[KVCaches]]
 # Writes joined KV into the blocks on every rank, on the engine thread.
 ScatterBlocks = Callable[[list[int], KVCaches], Awaitable[None]]

@@ -119,8 +119,9 @@ def export_rank_cache(kv_caches: KVCaches) -> CudaIpcCache:
 
 class CudaIpcExporter:
     """Prefill side: the IPC handles of the whole cache, made once and served to every peer.
-    rank_caches: every TP rank's export_rank_cache in rank order (rank 0's runner gathers them:
-    setup_kv_ipc), so ranks[r] is rank r's share; None: this process's cache is the one rank."""
+    rank_caches: every TP rank's export_rank_cache in rank order (kv/startup.py gathers them
+    from every rank's cuda-ipc connector), so ranks[r] is rank r's share; None: this
+    process's cache is the one rank."""
 
     def __init__(self, kv_caches: KVCaches, layout: KVLayout,
                  rank_caches: list[CudaIpcCache] | None = None) -> None:

@@ -66,7 +66,7 @@ class NixlPeer:
     export_id: str
     mem_type: str
     tensors: list[TensorBlocks]  # layer-major, as cuda_ipc.flat_caches
-    slot: int = -1  # a TP worker's: where its ranks keep the source (parallel/nixl_ranks.py)
+    slot: int = -1  # a TP worker's: where its ranks keep the source (nixl_ranks.py)
 
 
 def tensor_blocks(tensor: torch.Tensor) -> TensorBlocks:

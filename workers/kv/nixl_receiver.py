@@ -2,7 +2,7 @@
 lease and one READ.
 
     nixl = NixlReceiver(reads, layout, mode)       # worker start-up: OneRankReads(agent), or
-                                                   # a TP worker's nixl_ranks.RankGroupNixl
+                                                   # a TP worker's RankGroupNixl
     num_bytes, failure = await nixl.pull(source, address, handle, block_ids, start_block,
                                          timeout)  # failure: why nixl cannot serve this peer
 
@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tandem.common.kv_exports import KVHandle, NixlAgentExport
+from tandem.common.kv_exports import KVHandle, NixlAgentExport, to_bytes
 from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
 from tandem.workers.kv import transport
 from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable
+from tandem.workers.kv.nixl_ranks import merge_rank_exports
+from tandem.workers.kv.rank_connector import pack_rank_exports
 from tandem.workers.kv.source import KVSource
 
 logger = get_logger(__name__)
@@ -34,7 +36,7 @@ logger = get_logger(__name__)
 
 class OneRankReads:
     """What NixlReceiver calls, for a one-rank worker: its own agent, on the event loop.
-    (A TP worker's equivalent, parallel/nixl_ranks.RankGroupNixl, runs them on every rank.)"""
+    (A TP worker's equivalent, RankGroupNixl, runs them on every rank.)"""
 
     def __init__(self, agent: NixlKVAgent) -> None:
         self.agent = agent
@@ -48,6 +50,61 @@ class OneRankReads:
     async def read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
                    timeout: float) -> int:
         return await self.agent.read_blocks(peer, src_ids, dst_ids, timeout)
+
+
+class RankGroupNixl:
+    """A TP worker's nixl end, on the event loop: what the servicers serve (export, endpoint)
+    and what NixlReceiver calls (load_peer, unload_peer, read), each run on every rank by KV
+    rank ops (rank_group.RankGroupKV; the ranks' side is nixl_ranks.RankNixl)."""
+
+    def __init__(self, ranks, export: NixlAgentExport) -> None:
+        self._ranks = ranks
+        self._export = export
+        self.tp_size = ranks.tp_size
+        self.endpoint = export.endpoint
+
+    @classmethod
+    async def start(cls, ranks, layout: KVLayout) -> RankGroupNixl:
+        """Creates every rank's agent. Raises NixlUnavailable when one could not be."""
+        ranks = ranks.backend(transport.NIXL)
+        export = merge_rank_exports(await ranks.setup(layout))
+        logger.info("NIXL agents on all %d ranks (rank 0: %s)", len(export.ranks),
+                    export.endpoint.agent_name)
+        return cls(ranks, export)
+
+    def export(self) -> NixlAgentExport:
+        return self._export
+
+    async def load_peer(self, export: NixlAgentExport) -> NixlPeer:
+        """Loads a source's rank agents on every rank. NixlUnavailable when any rank could
+        not (or the source has another TP size)."""
+        if len(export.ranks) != self.tp_size:
+            raise NixlUnavailable(f"the source exported {len(export.ranks)} rank agents, "
+                                  f"this worker has {self.tp_size} ranks")
+        slot, failed = await self._ranks.add_peer(
+            pack_rank_exports([to_bytes(rank) for rank in export.ranks]))
+        if failed:
+            await self._ranks.remove_peer(slot)
+            raise NixlUnavailable(f"loading the source's agents failed on rank(s) {failed} "
+                                  f"(see their logs)")
+        first = export.ranks[0]
+        return NixlPeer(first.endpoint.agent_name, export.endpoint.export_id,
+                        first.mem_type, list(first.tensors), slot=slot)
+
+    async def unload_peer(self, peer: NixlPeer) -> None:
+        await self._ranks.remove_peer(peer.slot)
+
+    async def read(self, peer: NixlPeer, src_ids: list[int], dst_ids: list[int],
+                   timeout: float) -> int:
+        """Every rank READs its heads of the blocks; returns the bytes read. Engine steps go on
+        while it is in flight. KVTransferFailed when a rank failed or `timeout` passed (the
+        READ is then cancelled on every rank); a cancelled caller cancels it too."""
+        await self._ranks.load(peer.slot, src_ids, dst_ids, timeout,
+                               f"NIXL READ of {len(src_ids)} blocks")
+        return len(src_ids) * sum(t.block_bytes for t in peer.tensors) * self.tp_size
+
+    def close(self) -> None:
+        """Nothing here: every rank's agent closes with the executor's rank connectors."""
 
 
 class NixlReceiver:

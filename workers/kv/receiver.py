@@ -1,7 +1,7 @@
 """Decode side of the KV seam: pull one handle into reserved blocks by the chosen backend.
 
     receiver = KVReceiver(mode, layout, blocks, kv_caches, device, tp_size,
-                          nixl_agent, engine)                             # worker start-up
+                          nixl_agent, ranks, connectors)                  # kv/startup.py
     num_bytes, backend = await receiver.pull(source, address, handle, block_ids, start_block,
                                              timeout)     # source: a kv.source.KVSource
 
@@ -13,23 +13,24 @@ cuda-ipc per peer (source address): ExportKVCache once, map the cache once and r
 mapping for every handle whose export_id matches; a peer whose mapping failed is not tried
 again until its export_id changes (auto mode falls back to nixl or grpc for it, logged once).
 One rank maps it here (open_peer, a BlockCopier; copies go out coalesced on a copy stream);
-a TP group maps it on every rank through the engine thread (engine.runner.map_kv_peer, a slot
-per source) and every rank copies its heads on its copy stream, posted and polled between
-engine steps (post_kv_copy / poll_kv_copy; parallel/ipc_ranks.py).
+a TP group maps it on every rank (rank_group.RankGroupKV: a slot per source) and every rank
+copies its heads on its copy stream, started and polled between engine steps (ipc_ranks.py).
 
 nixl: nixl_receiver.NixlReceiver (the source's agent loaded once per export_id; per handle
-LeaseKV and one NIXL READ; a TP group loads and READs on every rank, parallel/nixl_ranks.py);
+LeaseKV and one NIXL READ; a TP group loads and READs on every rank, nixl_ranks.py);
 a source whose agent did not load gets grpc in auto mode.
+
+connector backends (connector.KVConnector, e.g. mori): the one the mode names, or in auto each
+the handle offers and this worker runs, after cuda-ipc and nixl and before grpc.
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 
 import torch
 
-from tandem.common.kv_exports import CudaIpcExport, KVHandle
+from tandem.common.kv_exports import CudaIpcExport, KVHandle, to_bytes
 from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
 from tandem.workers.kv import transport
@@ -47,9 +48,11 @@ LEASE_MARGIN_SECONDS = 2.0
 
 class KVReceiver:
     def __init__(self, mode: str, layout: KVLayout, blocks: KVBlockAccess, kv_caches: KVCaches,
-                 device: torch.device, tp_size: int, nixl_agent=None, engine=None) -> None:
-        """engine: the AsyncEngine, needed when tp_size > 1 (its runner drives the ranks'
-        cuda-ipc copies; the worker has called its setup_kv_ipc at start-up)."""
+                 device: torch.device, tp_size: int, nixl_agent=None, ranks=None,
+                 connectors: dict | None = None) -> None:
+        """ranks: a rank_group.RankGroupKV, needed for cuda-ipc when tp_size > 1 (every rank
+        maps and copies its share; the worker set the ranks up for cuda-ipc at start-up).
+        connectors: name -> connector.KVConnector this worker runs."""
         transport.check_kv_transfer(mode, device.type)
         self.mode = mode
         self.layout = layout
@@ -60,13 +63,13 @@ class KVReceiver:
         self._copies = None  # an ipc_copies.CoalescedCopies on this worker's copy stream
         self._peers: dict[str, _LocalPeer | _RankGroupPeer] = {}  # address -> its mapping
         self._slots: dict[str, int] = {}  # TP: address -> slot of its mapping on the ranks
-        self._transfers = itertools.count()  # TP: ids of the ranks' copies
-        self._engine = engine
+        self._ranks = ranks.backend(transport.CUDA_IPC) if ranks is not None else None
+        self.connectors = connectors or {}
         self._failed: dict[str, str] = {}  # address -> export_id whose mapping failed
         self._logged: set[str] = set()  # peers whose grpc fallback was logged
         self._host_id = ""
         self.nixl = None  # a nixl_receiver.NixlReceiver when this worker has a NIXL agent
-        if nixl_agent is not None:  # TP: a parallel/nixl_ranks.RankGroupNixl
+        if nixl_agent is not None:  # TP: a nixl_receiver.RankGroupNixl
             from tandem.workers.kv.nixl_receiver import NixlReceiver, OneRankReads
 
             reads = OneRankReads(nixl_agent) if tp_size == 1 else nixl_agent
@@ -81,10 +84,10 @@ class KVReceiver:
 
                 self._copies = CoalescedCopies(torch.cuda.Stream(device))
                 # The first handoff would otherwise compile the gather inside a request's TTFT
-                # (TP ranks compile theirs in setup_kv_ipc).
+                # (TP ranks compile theirs when their cuda-ipc connector is set up).
                 cuda_ipc.BlockCopier(self._local, self._local).precompile()
-            elif engine is None:
-                raise ValueError("KVReceiver: cuda-ipc under TP needs the engine")
+            elif ranks is None:
+                raise ValueError("KVReceiver: cuda-ipc under TP needs the rank group")
 
     async def pull(self, source: KVSource, address: str, handle: KVHandle,
                    block_ids: list[int], start_block: int,
@@ -92,6 +95,9 @@ class KVReceiver:
         """Returns (bytes moved, backend used). Raises what the source's calls raise
         (grpc.aio.AioRpcError), ValueError, transport.KVTransportUnavailable or
         transport.KVTransferFailed; blocks may be half written then (abort the request)."""
+        if self.mode in self.connectors:
+            return await self._pull_connector(source, address, handle, block_ids,
+                                              start_block, timeout)
         endpoint = handle.cuda_ipc
         transports = list(handle.transports)
         backend, why = self._choose(transports, endpoint)
@@ -121,12 +127,33 @@ class KVReceiver:
                 raise transport.KVTransportUnavailable(
                     f"--kv-transfer nixl: {failure} (peer {address})")
             why = f"nixl: {failure}"
+        for name, connector in self.connectors.items():  # auto: what cuda-ipc and nixl left
+            if name in transports:
+                num_bytes, failure = await connector.pull(source, address, handle, block_ids,
+                                                          start_block, timeout)
+                if failure is None:
+                    return num_bytes, name
+                why = f"{why}; {name}: {failure}" if why else f"{name}: {failure}"
         if address not in self._logged:
             logger.info("KV from %s over grpc: %s", address, why)
             self._logged.add(address)
         num_bytes = await source.pull_blocks(handle, self.blocks, block_ids, start_block,
                                              timeout)
         return num_bytes, transport.GRPC
+
+    async def _pull_connector(self, source, address, handle, block_ids, start_block,
+                              timeout) -> tuple[int, str]:
+        """--kv-transfer <connector>: that backend or the reason it cannot serve."""
+        name = self.mode
+        if name not in handle.transports:
+            failure = f"the source does not offer {name}"
+        else:
+            num_bytes, failure = await self.connectors[name].pull(
+                source, address, handle, block_ids, start_block, timeout)
+            if failure is None:
+                return num_bytes, name
+        raise transport.KVTransportUnavailable(f"--kv-transfer {name}: {failure} "
+                                               f"(peer {address})")
 
     def _choose(self, transports: list[str], endpoint) -> tuple[str, str]:
         return transport.choose_transport(
@@ -171,15 +198,15 @@ class KVReceiver:
         if len(export.ranks) != self.tp_size:
             raise CudaIpcUnavailable(f"the source exported {len(export.ranks)} rank caches, "
                                      f"this worker has {self.tp_size} ranks")
-        slot = self._slots.setdefault(address, len(self._slots))
-        failed = await self._engine.call(lambda e: e.runner.map_kv_peer(slot, export))
+        slot, failed = await self._ranks.add_peer(to_bytes(export), self._slots.get(address))
+        self._slots[address] = slot
         if failed:
             raise CudaIpcUnavailable(f"mapping the source's cache failed on rank(s) {failed} "
                                      f"(see their logs)")
         every_rank_block_bytes = (self.layout.tp_size * self.layout.num_layers
                                   * self.layout.bytes_per_layer_block)
-        return _RankGroupPeer(export.endpoint.export_id, self._engine, slot,
-                              every_rank_block_bytes, self._transfers,
+        return _RankGroupPeer(export.endpoint.export_id, self._ranks, slot,
+                              every_rank_block_bytes,
                               f"mapped on all {self.tp_size} ranks (slot {slot})")
 
     async def _pull_ipc(self, source, peer, handle, block_ids, start_block, timeout) -> int:
@@ -223,21 +250,16 @@ class _LocalPeer:
 
 class _RankGroupPeer:
     """TP: the source mapped on every rank under `slot`; every rank copies its heads on its
-    copy stream, posted and polled through engine commands (parallel/ipc_ranks.py), so the
-    engine keeps stepping while the copy runs."""
+    copy stream, started and polled by KV rank ops (ipc_ranks.py), so the engine keeps
+    stepping while the copy runs."""
 
-    def __init__(self, export_id: str, engine, slot: int, block_bytes: int,
-                 transfers: itertools.count, description: str) -> None:
+    def __init__(self, export_id: str, ranks, slot: int, block_bytes: int,
+                 description: str) -> None:
         self.export_id = export_id
         self.block_bytes = block_bytes  # of every rank together
         self.description = description
-        self._engine, self._slot, self._transfers = engine, slot, transfers
+        self._ranks, self._slot = ranks, slot
 
     async def copy(self, src_ids: list[int], dst_ids: list[int]) -> None:
-        from tandem.workers.parallel.rank_transfers import drive_on_ranks
-
-        transfer, slot = next(self._transfers), self._slot
-        await drive_on_ranks(
-            self._engine, lambda e: e.runner.post_kv_copy(transfer, slot, src_ids, dst_ids),
-            lambda finish: lambda e: e.runner.poll_kv_copy(transfer, finish),
-            None, f"cuda-ipc copy of {len(src_ids)} blocks")
+        await self._ranks.load(self._slot, src_ids, dst_ids, None,
+                               f"cuda-ipc copy of {len(src_ids)} blocks")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tandem.common.kv_exports import CudaIpcExport, KVHandle, KVLease, NixlAgentExport
+from tandem.common.kv_exports import (ConnectorExport, CudaIpcExport, KVHandle, KVLease,
+                                      NixlAgentExport)
 from tandem.workers.kv.block_access import KVBlockAccess
 
 
@@ -18,6 +19,9 @@ class KVSource(Protocol):
 
     async def export_nixl(self, timeout: float | None) -> NixlAgentExport:
         """The source's NIXL agent (nixl)."""
+
+    async def export_connector(self, backend: str, timeout: float | None) -> ConnectorExport:
+        """The source's export of a connector backend (kv/connector.py)."""
 
     async def lease(self, handle_id: str, start_block: int, timeout: float | None) -> KVLease:
         """Renews a handle's pin; its block ids from start_block on."""

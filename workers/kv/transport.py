@@ -1,15 +1,16 @@
-"""Which KV transfer backend a handle travels by: `--kv-transfer auto|grpc|cuda-ipc|nixl`.
+"""Which KV transfer backend a handle travels by: `--kv-transfer auto|grpc|cuda-ipc|nixl`, or a
+connector backend (connectors.py, e.g. mori).
 
 Prefill side: every handle offers "grpc"; it also offers
   "cuda-ipc" (with the host identity, device and export id in KVHandle.cuda_ipc) when the mode
              is auto or cuda-ipc and the cache is on a CUDA device; under TP every rank's
              cache is exported (rank r of the receiver copies from rank r of the source:
-             parallel/ipc_ranks.py);
+             ipc_ranks.py);
   "nixl"     (with the NIXL agent's name and export id in KVHandle.nixl) when this worker
              created a NIXL agent over its cache: always in nixl mode, and in auto mode when
              nixl is installed and the cache is on a CUDA device. Under TP every rank has an
              agent over its heads (rank r of the receiver READs from rank r of the source:
-             parallel/nixl_ranks.py). auto leaves CPU workers on grpc: a host cache gains
+             nixl_ranks.py). auto leaves CPU workers on grpc: a host cache gains
              little from NIXL, and the default CPU path stays the one every test exercises.
 
 Decode side, per handle (after the layout check, which refuses a mismatch either way):
@@ -23,16 +24,22 @@ Decode side, per handle (after the layout check, which refuses a mismatch either
             know).
   nixl      nixl only (also on one host): a handle that cannot go by nixl fails the request
             with the reason.
+  <connector> (a backend of connectors.py, e.g. mori) that backend only, on any host: a
+            handle that cannot go by it fails the request with the reason. auto takes a
+            connector backend when the handle offers it, this worker runs it (the backend
+            wants the device: mori on ROCm) and cuda-ipc and nixl did not serve; before grpc.
 A transfer that fails once begun (a READ error, a timeout) fails the request in every mode: its
 blocks may be half written, and the caller aborts it with UNAVAILABLE naming the peer.
 """
 from __future__ import annotations
 
+from tandem.workers.kv import connectors
+
 AUTO = "auto"
 GRPC = "grpc"
 CUDA_IPC = "cuda-ipc"
 NIXL = "nixl"
-KV_TRANSFER_MODES = (AUTO, GRPC, CUDA_IPC, NIXL)
+KV_TRANSFER_MODES = (AUTO, GRPC, CUDA_IPC, NIXL, *connectors.connector_backends())
 
 
 class KVTransportUnavailable(RuntimeError):
@@ -51,6 +58,10 @@ def check_kv_transfer(mode: str, device_type: str) -> None:
     if mode == CUDA_IPC and device_type != "cuda":
         raise ValueError(f"--kv-transfer cuda-ipc needs the KV cache on a CUDA device, not "
                          f"{device_type!r} (use auto or grpc)")
+    if mode in connectors.connector_backends():
+        why = connectors.unavailable_reason(mode)
+        if why is not None:
+            raise ValueError(f"--kv-transfer {mode}: {why} (use auto or grpc)")
 
 
 def cuda_ipc_possible(mode: str, device_type: str) -> bool:

@@ -11,11 +11,11 @@ second broadcast (`frame_command` / `receive_command` in executor/rank_runner.py
 inputs fit the first message, so a step costs one broadcast (two cost ~2x as long over gloo).
 Commands:
 
-    STEP       args (T, B, M, N, max_query_len, max_seq_len); payload = the ModelInputs packed
-               as input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1] seq_lens[B]
-               block_tables[B*M] logits_indices[N] (executor/step_inputs.py)
-    GATHER_KV  args (num_blocks,); payload = block ids: every rank sends rank 0 its KV shard
-    SCATTER_KV args (num_blocks,); payload = block ids: rank 0 sends every rank its KV shard
+    STEP       args (T, B, M, N, max_query_len, max_seq_len, K); payload = the ModelInputs
+               packed as input_ids[T] positions[T] slot_mapping[T] query_start_loc[B+1]
+               seq_lens[B] block_tables[B*M] logits_indices[N] (executor/step_inputs.py), then
+               K bytes of KV rank ops (pack_bytes) that every rank runs before the model
+               (kv/rank_ops.py: opaque here). A step of ops alone has T = B = 0.
     STOP       no args: followers leave their loop and exit
     PROFILE_MEMORY args (uses_cuda_graphs,): sent once after loading, on GPUs unless
                num_kv_blocks is given: every rank profiles a dummy prefill together and sizes
@@ -23,28 +23,9 @@ Commands:
                (0: that rank's cache does not fit), and KV_BLOCKS follows with the smallest
     KV_BLOCKS  args (num_kv_blocks,): sent once after loading (after PROFILE_MEMORY, if sent),
                so every rank allocates as many blocks as rank 0
-    IPC_SETUP  no args: every rank readies cuda-ipc (compiles its gather, exports its cache) and
-               sends rank 0 its export (parallel/ipc_ranks.py)
-    IPC_MAP    args (slot, num_bytes); payload = a source's CudaIpcExport (kv_exports.to_bytes)
-               (pack_bytes): rank r maps the source's rank r cache under `slot`
-    IPC_POST   args (transfer, slot, num_blocks); payload = source block ids then destination
-               block ids: every rank queues the copy of its share from the source mapped under
-               `slot` as `transfer`, and all learn every rank's status
-    IPC_POLL   args (transfer, finish): every rank checks (or with finish=1 waits out) its copy
-               of `transfer`, and all learn every rank's status
     CAPTURE_GRAPHS args (max_model_len, n); payload = n decode batch sizes: every rank captures
                its decode CUDA graphs (ModelRunner.enable_cuda_graphs) at once, so the NCCL
                collectives of their warm-up passes and captures pair up
-    NIXL_SETUP args (num_bytes,); payload = the worker's KVLayout as bytes: every rank creates
-               its NIXL agent and sends rank 0 its export (parallel/nixl_ranks.py)
-    NIXL_LOAD  args (slot, num_bytes); payload = a source's NixlAgentExport (to_bytes):
-               rank r loads the source's ranks[r] agent under `slot`
-    NIXL_POST  args (transfer, slot, num_blocks, timeout_ms); payload = source block ids
-               then destination block ids: every rank posts the READ of its share from the
-               source `slot` as `transfer`, and all learn every rank's status
-    NIXL_POLL  args (transfer, cancel): every rank checks (or with cancel=1 aborts) its READ
-               of `transfer`, and all learn every rank's status
-    NIXL_UNLOAD args (slot,): every rank drops the source loaded under `slot`
 """
 from __future__ import annotations
 
@@ -60,20 +41,9 @@ MESSAGE_LEN = HEADER_LEN + INLINE_PAYLOAD
 
 class Command(IntEnum):
     STEP = 1
-    GATHER_KV = 2
-    SCATTER_KV = 3
     STOP = 4
     KV_BLOCKS = 5
-    IPC_SETUP = 6
-    IPC_MAP = 7
-    IPC_POST = 8
     CAPTURE_GRAPHS = 9
-    NIXL_SETUP = 10
-    NIXL_LOAD = 11
-    NIXL_POST = 12
-    NIXL_UNLOAD = 13
-    NIXL_POLL = 14
-    IPC_POLL = 15
     PROFILE_MEMORY = 16
 
 
@@ -90,21 +60,18 @@ def payload_length(header: torch.Tensor) -> int:
     """How many int64 values follow a header (0 for commands without a payload)."""
     command = Command(int(header[0]))
     if command is Command.STEP:
-        num_tokens, num_seqs, max_blocks, num_logits = header[1:5].tolist()
-        return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
-    if command in (Command.GATHER_KV, Command.SCATTER_KV):
-        return int(header[1])
-    if command is Command.NIXL_SETUP:
-        return packed_length(int(header[1]))
-    if command in (Command.IPC_MAP, Command.NIXL_LOAD):
-        return packed_length(int(header[2]))
-    if command is Command.IPC_POST:
-        return 2 * int(header[3])
-    if command is Command.NIXL_POST:
-        return 2 * int(header[3])
+        return step_inputs_length(header) + packed_length(int(header[7]))
     if command is Command.CAPTURE_GRAPHS:
         return int(header[2])
     return 0
+
+
+def step_inputs_length(header: torch.Tensor) -> int:
+    """How many of a STEP's payload values are model inputs (the KV rank ops follow them)."""
+    num_tokens, num_seqs, max_blocks, num_logits = header[1:5].tolist()
+    if num_tokens == 0 and num_seqs == 0:
+        return 0  # a step of KV rank ops alone
+    return 3 * num_tokens + (num_seqs + 1) + num_seqs + num_seqs * max_blocks + num_logits
 
 
 def frame_command(header: torch.Tensor, payload: torch.Tensor | None = None

@@ -175,3 +175,28 @@ def test_deepseek_v32_and_v3_workers_refuse_each_others_blocks(moe_checkpoint):
         mla.check_readable_by(dsa)
     with pytest.raises(KVLayoutMismatch, match="index_head_dim: source 32 != receiver 0"):
         dsa.check_readable_by(mla)
+
+
+def test_prefilled_requests_wait_for_blocks_in_order_as_waiting_for_remote_kvs(checkpoint):
+    """A request prefilled elsewhere queues outside scheduling until its blocks are free, then
+    holds them (RECEIVING); requests queued after it wait behind it even where they would
+    fit; abort takes a queued one out, and every block comes back."""
+    engine = LLM(checkpoint("llama").path, dtype="float32", num_kv_blocks=8,
+                 max_model_len=128).engine  # 8 blocks of 16 tokens
+    big, mid, small = random_prompts([100, 60, 10], seed=46)  # 7, 4 and 1 blocks
+    first = engine.queue_prefilled(big, [1], GREEDY, "big")
+    assert first.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and not first.block_table
+    assert engine.reserve_remote() == [first] and first.status is SequenceStatus.RECEIVING
+    second = engine.queue_prefilled(mid, [1], GREEDY, "mid")
+    third = engine.queue_prefilled(small, [1], GREEDY, "small")
+    assert engine.reserve_remote() == []  # "small" would fit, but waits behind "mid"
+    assert engine.reserve_prefilled(small, [1], GREEDY, "other") is None
+    assert third.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and not engine.has_unfinished
+    assert engine.abort("big")
+    assert engine.reserve_remote() == [second, third]
+    fourth = engine.queue_prefilled(big, [1], GREEDY, "again")
+    assert engine.reserve_remote() == []
+    for request_id in ("again", "mid", "small"):
+        assert engine.abort(request_id)
+    assert fourth.status is SequenceStatus.FINISHED and not engine.scheduler.waiting_for_remote_kvs
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

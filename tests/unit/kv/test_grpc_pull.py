@@ -56,7 +56,7 @@ def test_pull_packs_pieces():
     async def run():
         server = grpc.aio.server()
         worker_pb2_grpc.add_KVTransferServicer_to_server(
-            KVTransferServicer(PinnedHandlesEngine({"h": src_ids}, BLOCK_SHAPE[0]), layout,
+            KVTransferServicer(PinnedHandlesEngine({"h": src_ids}), layout,
                                DirectKVBlocks(source)), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -11,11 +11,9 @@ from tandem.workers.parallel.messages import (Command, make_header, pack_bytes, 
 def test_payload_lengths_come_from_the_headers():
     sizes = [1, 2, 4, 8, 16]
     assert payload_length(make_header(Command.CAPTURE_GRAPHS, 4096, len(sizes))) == 5
-    assert payload_length(make_header(Command.GATHER_KV, 7)) == 7
-    assert payload_length(make_header(Command.SCATTER_KV, 3)) == 3
-    assert payload_length(make_header(Command.IPC_MAP, 3, 17)) == 3  # 17 bytes in 3 int64s
-    assert payload_length(make_header(Command.IPC_POST, 7, 3, 5)) == 10  # src then dst ids
-    for command in (Command.STOP, Command.KV_BLOCKS, Command.IPC_SETUP):
+    # a STEP of KV rank ops alone: 17 bytes in 3 int64s
+    assert payload_length(make_header(Command.STEP, 0, 0, 0, 0, 0, 0, 17)) == 3
+    for command in (Command.STOP, Command.KV_BLOCKS):
         assert payload_length(make_header(command, 9)) == 0
 
 
@@ -32,6 +30,8 @@ def test_step_payload_length_matches_its_parts():
     parts = [num_tokens] * 3 + [num_seqs + 1, num_seqs, num_seqs * max_blocks, num_logits]
     assert payload_length(header) == sum(parts)
     assert header.dtype == torch.int64 and int(header[0]) == Command.STEP
+    with_ops = make_header(Command.STEP, num_tokens, num_seqs, max_blocks, num_logits, 9, 40, 9)
+    assert payload_length(with_ops) == sum(parts) + 2  # the KV rank ops' 9 bytes follow
 
 
 def test_a_command_travels_as_one_message_when_its_payload_fits():
@@ -39,7 +39,7 @@ def test_a_command_travels_as_one_message_when_its_payload_fits():
                                                   split_message)
 
     for length in (0, 5, INLINE_PAYLOAD, INLINE_PAYLOAD + 3):
-        header = make_header(Command.GATHER_KV, length)
+        header = make_header(Command.CAPTURE_GRAPHS, 4096, length)
         payload = torch.arange(length, dtype=torch.int64) + 100
         message, rest = frame_command(header, payload)
         assert message.shape == (MESSAGE_LEN,)

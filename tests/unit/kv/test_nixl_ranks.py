@@ -1,4 +1,4 @@
-"""The nixl rank protocol (workers/parallel/nixl_ranks.py) over a real 2-process gloo group on
+"""The nixl rank protocol (workers/kv/nixl_ranks.py) over a real 2-process gloo group on
 CPU, with real NIXL agents (UCX) over host ("DRAM") caches: every rank READs its own rank's
 heads of the source (values differ by rank) into exactly the destination blocks, and a READ
 from a slot never loaded or unloaded, a load of a source that exported too few rank agents,
@@ -6,8 +6,8 @@ or an out-of-range block id comes back as a reported failure of the ranks concer
 the group still in step; a source loaded in two slots still reads through one after the
 other is unloaded. A READ is posted and then polled until settled; one that fails on one rank
 settles as failed on both, a cancelled one as failed, and neither rank holds a READ after.
-Rank 0 calls RankNixl as LeaderRunner does, rank 1 replays the headers and payloads the
-control channel carries (follow_nixl_command)."""
+Every rank runs the KV rank ops (workers/kv/rank_ops.py) as the executor does; rank 1 runs
+them as the step broadcast carries them (encoded, then decoded)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,10 +23,11 @@ from helpers.rank_processes import run_ranks
 from tandem.common.kv_exports import NixlAgentExport, to_bytes
 from tandem.common.kv_layout import KVLayout
 from tandem.workers.kv.nixl_agent import is_installed
+from tandem.workers.kv.nixl_ranks import NixlUnavailable, RankNixl, merge_rank_exports
+from tandem.workers.kv.rank_connector import pack_rank_exports
+from tandem.workers.kv.rank_ops import (AddPeer, Load, Poll, RankKV, RemovePeer, Setup,
+                                        decode_ops, encode_ops)
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
-from tandem.workers.parallel.messages import Command, make_header, pack_bytes
-from tandem.workers.parallel.nixl_ranks import (NixlUnavailable, RankNixl, follow_nixl_command,
-                                                merge_rank_exports)
 
 if not is_installed():
     pytest.skip("nixl is an optional extra (pip install 'tandem[nixl]')",
@@ -53,9 +54,16 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         src_caches = source_caches(rank)
         dst_caches = [(torch.zeros(SHAPE), torch.zeros(SHAPE))]
         layout = KVLayout.from_kv_caches(src_caches, tp_rank=0, tp_size=WORLD)
-        source, receiver = RankNixl(src_caches, rank), RankNixl(dst_caches, rank)
+        source = RankNixl(src_caches, torch.device("cpu"), rank)
+        receiver = RankKV(dst_caches, torch.device("cpu"), rank, WORLD)
+
+        def run(op):
+            """Rank 0 runs the op as the executor does; rank 1 as the STEP carries it."""
+            ops = [op] if rank == 0 else decode_ops(encode_ops([op]))
+            return receiver.run(ops, None)[0]
+
         mine = source.setup(layout)
-        results = {"receiver_export": bool(receiver.setup(layout))}
+        results = {"receiver_export": bool(run(Setup("nixl", layout))[rank])}
         exports = all_gather_bytes(mine, None)
         merged = merge_rank_exports(exports)
         results["ranks"] = len(merged.ranks)
@@ -67,54 +75,31 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         short = dataclasses.replace(merged, ranks=merged.ranks[:1])
 
         def load(slot: int, export: NixlAgentExport):
-            if rank == 0:  # as LeaderRunner.load_kv_nixl_peer
-                return failed_ranks(receiver.load(slot, export), None)
-            data = to_bytes(export)
-            follow_nixl_command(receiver, Command.NIXL_LOAD,
-                                make_header(Command.NIXL_LOAD, slot, len(data)),
-                                pack_bytes(data), None)
-            return None
+            return run(AddPeer("nixl", slot,
+                               pack_rank_exports([to_bytes(r) for r in export.ranks])))
 
         transfers = itertools.count()
 
-        def command(cmd: Command, *args: int, payload=None):
-            """Rank 0 as LeaderRunner: calls RankNixl; rank 1 replays the header."""
-            if rank == 0:
-                if cmd is Command.NIXL_POST:
-                    transfer, slot, n, timeout_ms = args
-                    ids = payload.tolist()
-                    return receiver.post(transfer, slot, ids[:n], ids[n:], timeout_ms / 1000,
-                                         None)
-                return receiver.poll(args[0], bool(args[1]), None)
-            return follow_nixl_command(receiver, cmd, make_header(cmd, *args), payload, None)
-
         def read(slot: int, src_ids: list[int], dst_ids: list[int], slot_on_rank1=None):
-            """As RankGroupNixl.read: post, then poll until settled; the failed ranks."""
+            """As RankGroupNixl.read: load, then poll until settled; the failed ranks."""
             transfer = next(transfers)
             slot_here = slot if rank == 0 or slot_on_rank1 is None else slot_on_rank1
-            outcome = command(Command.NIXL_POST, transfer, slot_here, len(src_ids),
-                              int(TIMEOUT * 1000),
-                              payload=torch.tensor([*src_ids, *dst_ids], dtype=torch.int64))
+            outcome = run(Load("nixl", transfer, slot_here, src_ids, dst_ids, TIMEOUT))
             while not outcome.settled:
                 time.sleep(1e-4)
-                outcome = command(Command.NIXL_POLL, transfer, 0)
+                outcome = run(Poll("nixl", transfer))
             results.setdefault("outcomes", []).append(outcome.statuses)
             return outcome.failed
 
         def cancelled(src_ids: list[int], dst_ids: list[int]):
-            """Posted, then cancelled at once: whatever the READ had reached, both ranks
+            """Started, then finished at once: whatever the READ had reached, both ranks
             settle it as failed and hold nothing."""
             transfer = next(transfers)
-            command(Command.NIXL_POST, transfer, 0, len(src_ids), int(TIMEOUT * 1000),
-                    payload=torch.tensor([*src_ids, *dst_ids], dtype=torch.int64))
-            return command(Command.NIXL_POLL, transfer, 1).failed
+            run(Load("nixl", transfer, 0, src_ids, dst_ids, TIMEOUT))
+            return run(Poll("nixl", transfer, True)).failed
 
-        def unload(slot: int) -> None:  # as LeaderRunner.unload_kv_nixl_peer: no collective
-            if rank == 0:
-                receiver.unload(slot)
-            else:
-                follow_nixl_command(receiver, Command.NIXL_UNLOAD,
-                                    make_header(Command.NIXL_UNLOAD, slot), None, None)
+        def unload(slot: int) -> None:  # no collective
+            run(RemovePeer("nixl", slot))
 
         started = time.monotonic()
         results["load"] = load(0, merged)
@@ -149,17 +134,17 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
         # Rank 1 reads from a slot it never loaded: its failure settles rank 0's READ too.
         results["read_one_rank_fails"] = read(0, [4], [2], slot_on_rank1=7)
         results["cancel"] = cancelled([0, 1], [0, 1])
-        results["poll_unknown"] = command(Command.NIXL_POLL, 999, 0).failed
-        results["in_flight"] = receiver.reads_in_flight
+        results["poll_unknown"] = run(Poll("nixl", 999)).failed
+        results["in_flight"] = receiver.connectors["nixl"].reads_in_flight
         results["reloaded_blocks"] = all(torch.equal(got[5], want[3])
                                          for got, want in zip(dst_caches[0], src_caches[0]))
         results["after"] = failed_ranks(True, None)  # still in step
         with open(out_path, "w") as f:
             json.dump(results, f)
     finally:
-        for nixl in (receiver, source):
-            if nixl is not None:
-                nixl.close()
+        for end in (receiver, source):
+            if end is not None:
+                end.close()
         dist.destroy_process_group()
 
 

@@ -1,8 +1,8 @@
-"""The cuda-ipc rank protocol (workers/parallel/ipc_ranks.py) over a real 2-process gloo group
-on CPU: bytes of different lengths reach every rank intact, every rank learns which ranks
-failed, and a map or copy that cannot work on a rank (here: no CUDA), or a poll of a transfer
-no rank holds, comes back as a reported failure with the group still in step. Real mappings
-and copies between GPUs: tests/gpu/test_kv_cuda_ipc_gpu.py."""
+"""The cuda-ipc rank protocol (workers/kv/ipc_ranks.py, driven by the KV rank ops) over a real
+2-process gloo group on CPU: bytes of different lengths reach every rank intact, every rank
+learns which ranks failed, and a map or copy that cannot work on a rank (here: no CUDA), or a
+poll of a transfer no rank holds, comes back as a reported failure with the group still in step.
+Real mappings and copies between GPUs: tests/gpu/test_kv_cuda_ipc_gpu.py."""
 from __future__ import annotations
 
 import json
@@ -15,9 +15,9 @@ from tandem.common.convert import cuda_ipc_export_from_proto, layout_to_proto
 from tandem.common.kv_exports import to_bytes
 from tandem.common.kv_layout import KVLayout
 from tandem.v1 import worker_pb2
+from tandem.workers.kv.ipc_ranks import RankIpcPeers
+from tandem.workers.kv.rank_ops import AddPeer, Load, Poll, RankKV, decode_ops, encode_ops
 from tandem.workers.parallel.control_gathers import all_gather_bytes, failed_ranks
-from tandem.workers.parallel.ipc_ranks import RankIpcPeers, follow_ipc_command
-from tandem.workers.parallel.messages import Command, make_header, pack_bytes
 
 WORLD = 2
 
@@ -43,23 +43,19 @@ def rank_main(rank: int, init_file: str, out_path: str) -> None:
                    "empty": [b.hex() for b in all_gather_bytes(b"" if rank else b"ab", None)],
                    "failed": failed_ranks(rank == 0, None)}
         ipc = RankIpcPeers(caches, torch.device("cuda", 0), rank)
+        ranks = RankKV(caches, torch.device("cuda", 0), rank, WORLD)
+        ranks.connectors["cuda-ipc"] = ipc  # Setup would export the cache: no CUDA here
         export = cuda_ipc_export_from_proto(unmappable_export(caches))
-        data = to_bytes(export)
-        ids = torch.tensor([0, 1, 1, 0], dtype=torch.int64)
-        if rank == 0:  # the leader's side, as LeaderRunner.map_kv_peer / post_kv_copy / ...
-            results["map"] = failed_ranks(ipc.map(3, export), None)
-            results["copy"] = ipc.post(9, 3, [0, 1], [1, 0], None).statuses
-            results["poll"] = ipc.poll(9, False, None).statuses
-            results["finish"] = ipc.poll(4, True, None).statuses
-        else:  # the follower's side, from the header and payload as the control channel has them
-            follow_ipc_command(ipc, Command.IPC_MAP, make_header(Command.IPC_MAP, 3, len(data)),
-                               pack_bytes(data), None)
-            follow_ipc_command(ipc, Command.IPC_POST, make_header(Command.IPC_POST, 9, 3, 2),
-                               ids, None)
-            for transfer, finish in ((9, 0), (4, 1)):
-                follow_ipc_command(ipc, Command.IPC_POLL,
-                                   make_header(Command.IPC_POLL, transfer, finish), ids[:0],
-                                   None)
+        ops = [AddPeer("cuda-ipc", 3, to_bytes(export)),
+               Load("cuda-ipc", 9, 3, [0, 1], [1, 0], 0.0),
+               Poll("cuda-ipc", 9), Poll("cuda-ipc", 4, True)]
+        if rank == 1:  # the follower's side: the ops as the step broadcast carries them
+            ops = decode_ops(encode_ops(ops))
+        answers = ranks.run(ops, None)
+        if rank == 0:
+            results["map"] = answers[0]
+            results["copy"], results["poll"], results["finish"] = (
+                outcome.statuses for outcome in answers[1:])
         results["in_flight"] = ipc.copies_in_flight
         results["after"] = failed_ranks(True, None)  # still in step
         with open(out_path, "w") as f:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.workers.parallel.kv_shards import (join_shares, layer_widths, local_share,
+from tandem.workers.kv.kv_shards import (join_shares, layer_widths, local_share,
                                                share_shape, split_joined, write_local_share)
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM, TP = 2, 6, 4, 4, 8, 2

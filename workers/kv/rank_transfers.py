@@ -1,15 +1,16 @@
-"""A KV transfer that every rank of a TP group runs on its own heads, posted and then polled.
+"""A KV transfer that every rank of a TP group runs on its own heads, started and then polled.
 
-Both TP transfer backends (cuda-ipc copies, ipc_ranks.py; NIXL READs, nixl_ranks.py) work the
-same way: rank 0 sends a post command, every rank starts its share (a copy on its copy stream,
-a READ on its agent's thread) and returns at once; then rank 0 sends polls until the transfer
-is done on every rank or failed on one. After a post or a poll every rank's status is
-all-gathered on the control group, so every rank sees the same TransferOutcome and the group
-stays in step. A poll with `finish` set ends the transfer on every rank before it answers (a
-READ is cancelled, a copy is waited out): after it nothing of the transfer writes any more.
+Every rank-side backend (rank_connector.py: cuda-ipc copies, NIXL READs, ...) works the same
+way: rank 0 sends a Load op, every rank starts its share (a copy on its copy stream, a READ on
+its agent's thread) and returns at once; then rank 0 sends Poll ops until the transfer is done
+on every rank or failed on one. After each, every rank's status is all-gathered on the control
+group (rank_ops.py), so every rank sees the same TransferOutcome and the group stays in step.
+A poll with `finish` set ends the transfer on every rank before it answers (a READ is
+cancelled, a copy is waited out): after it nothing of the transfer writes any more.
 
-drive_on_ranks is rank 0's side, on the event loop: each post and poll is an engine command,
-so the engine keeps stepping the group's other requests between polls.
+drive_on_ranks is rank 0's side, on the event loop: each load and poll runs on the engine
+thread as a step of KV ops, so the engine keeps stepping the group's other requests between
+polls.
 """
 from __future__ import annotations
 
@@ -18,11 +19,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from torch.distributed import ProcessGroup
-
 from tandem.common.polling import poll_delays
 from tandem.workers.kv.transport import KVTransferFailed
-from tandem.workers.parallel.control_gathers import all_gather_ints
 
 PENDING, DONE, FAILED = 0, 1, 2  # one rank's state of a posted transfer
 
@@ -45,16 +43,12 @@ class TransferOutcome:
         return self.done or bool(self.failed)
 
 
-def gather_outcome(status: int, group: ProcessGroup | None) -> TransferOutcome:
-    """Every rank gives its status; all get the group's outcome (collective)."""
-    return TransferOutcome(all_gather_ints(status, group))
-
-
-async def drive_on_ranks(engine, post: Callable, poll: Callable[[bool], Callable],
+async def drive_on_ranks(engine, post, poll: Callable[[bool], object],
                          timeout: float | None, what: str) -> None:
-    """Rank 0's loop: `post` (an engine command) starts the transfer on every rank, then
-    poll(finish) commands follow (paced by poll_delays: at most 2 ms apart) until it is
-    settled.
+    """Rank 0's loop: `post` starts the transfer on every rank, then poll(finish) follows
+    (paced by poll_delays: at most 2 ms apart) until it is settled. `engine` runs them on the
+    engine thread: `await engine.call(x)` answers a TransferOutcome, `engine.submit(x)` queues
+    x without waiting (rank_group.RankGroupKV: x is a KV rank op).
 
     Raises KVTransferFailed naming the failed ranks, or, once `timeout` seconds passed, after
     a finishing poll. If the caller is cancelled, a finishing poll is queued (engine commands

@@ -1,4 +1,4 @@
-"""drive_on_ranks (workers/parallel/rank_transfers.py), the loop both TP transfer backends use
+"""drive_on_ranks (workers/kv/rank_transfers.py), the loop both TP transfer backends use
 on rank 0, on a real AsyncEngine stepping a real tiny model: it polls until every rank is done,
 names the ranks that failed, ends a transfer that outlived its timeout with a finishing poll,
 and when its caller is cancelled queues a finishing poll that runs before any command queued
@@ -15,7 +15,7 @@ import pytest
 from tandem import LLM
 from tandem.workers.async_engine import AsyncEngine
 from tandem.workers.kv.transport import KVTransferFailed
-from tandem.workers.parallel.rank_transfers import (DONE, FAILED, PENDING, TransferOutcome,
+from tandem.workers.kv.rank_transfers import (DONE, FAILED, PENDING, TransferOutcome,
                                                     drive_on_ranks)
 
 
