@@ -55,7 +55,7 @@ def test_parallel_prefill_and_decode_give_transformers_tokens(checkpoint, moe_ch
         assert decode.wait(timeout=20) == LOST_FOLLOWER_EXIT_CODE
     finally:
         stop(stack.processes)
-    wait_gone(followers, timeout=5)
+    wait_gone(followers, timeout=30)
 
 
 def test_tp1_decode_refuses_a_tp2_handle_and_followers_die_with_their_worker(checkpoint,
@@ -88,7 +88,7 @@ def test_tp1_decode_refuses_a_tp2_handle_and_followers_die_with_their_worker(che
 
         [follower] = child_pids(workers["prefill"].popen.pid)
         os.kill(workers["prefill"].popen.pid, signal.SIGKILL)  # no chance to stop it
-        wait_gone([follower], timeout=5)
+        wait_gone([follower], timeout=30)
     finally:
         stop(list(workers.values()))
 
@@ -113,7 +113,7 @@ def test_sigterm_to_the_whole_process_group_drains_a_tp2_worker(checkpoint, tmp_
         thread.join(timeout=60)
         assert result["done"].token_ids == ckpt.greedy(prompt, 300)  # finished in the grace
         assert worker.popen.wait(timeout=30) == 0
-        wait_gone([follower], timeout=5)
+        wait_gone([follower], timeout=30)
         assert "model step failed" not in worker.log_path.read_text()
     finally:
         stop(stack.processes)
