@@ -2,7 +2,7 @@
 and the block manager tells its listener about every key it gains or loses."""
 from __future__ import annotations
 
-from tandem.common.block_hash import compute_block_hash, prefix_block_hashes
+from tandem.common.block_hash import PromptBlockHashes, compute_block_hash, prefix_block_hashes
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.sequence import Sequence
@@ -82,3 +82,14 @@ def test_prefix_hashes_equal_the_one_block_hash_chained_at_every_block_size():
         assert prefix_block_hashes(token_ids, block_size) == expected
         assert prefix_block_hashes(token_ids, block_size, max_blocks=5) == expected[:5]
         assert prefix_block_hashes(token_ids, block_size, max_blocks=0) == []
+
+
+def test_prompt_hashes_are_computed_as_far_as_they_are_read_and_kept():
+    token_ids = [(i * 7919) % 50_000 for i in range(400)]
+    expected = prefix_block_hashes(token_ids, 4)
+    hashes = PromptBlockHashes(token_ids, 4, max_blocks=90)
+    assert len(hashes) == 90 and hashes.hashes == []
+    assert next(iter(hashes)) == expected[0]
+    assert 1 <= len(hashes.hashes) < 20  # one run of blocks, not the prompt
+    assert list(zip(range(30), hashes)) == list(enumerate(expected[:30]))
+    assert list(hashes) == expected[:90] and hashes.hashes == expected[:90]
