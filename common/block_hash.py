@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 # Blocks PromptBlockHashes hashes per run: enough that packing the tokens costs little per
 # block, few enough that a walk ending early leaves little hashed for nothing.
-_BLOCKS_PER_RUN = 8
+_BLOCKS_PER_RUN = 16
 
 
 def compute_block_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -51,13 +51,13 @@ class PromptBlockHashes:
         return self.num_blocks
 
     def __iter__(self) -> Iterator[int]:
-        hashes = self.hashes
         position = 0
         while position < self.num_blocks:
-            if position == len(hashes):
+            if position == len(self.hashes):
                 self._hash_next_run()
-            yield hashes[position]
-            position += 1
+            run = self.hashes[position:]
+            position += len(run)
+            yield from run
 
     def _hash_next_run(self) -> None:
         first = len(self.hashes)

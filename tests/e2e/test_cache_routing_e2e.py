@@ -152,7 +152,6 @@ def test_uniform_random_prompts_spread_evenly(routers):
                 call.cancel()
     counts = [after[a] - before[a] for a in after]
     assert sum(counts) == len(calls)
-    print("SPREAD", counts)
     assert max(counts) <= 1.5 * min(counts), counts
 
 
