@@ -161,6 +161,37 @@ def _decode_directly(address: str, request_id: str, token_ids: list[int]) -> Non
             request_id=request_id, prompt_token_ids=token_ids, params=_params(2)), timeout=60))
 
 
+def test_a_prefix_cache_reset_clears_the_workers_blocks_from_every_index(routers):
+    stack, router_a, router_b = routers
+    worker = stack.workers["both-2"]
+    rng = random.Random(5)
+    prompt = prompt_of(rng, 33)
+    hashes = set(prefix_block_hashes(prompt, BLOCK_SIZE, max_blocks=8))
+    _decode_directly(worker.address, "before-reset", prompt)
+    for router in (router_a, router_b):
+        wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
+                                 worker=worker.address) >= 8, timeout=30)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        events = stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest(), timeout=60)
+        assert hashes <= set(next(events).stored_hashes)
+        reply = stub.ResetPrefixCache(worker_pb2.ResetPrefixCacheRequest(), timeout=30)
+        assert reply.num_forgotten_blocks >= 8
+        message = next(events)
+        assert message.cleared and not hashes & set(message.stored_hashes)
+        events.cancel()
+    for router in (router_a, router_b):
+        wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
+                                 worker=worker.address) == 0, timeout=30)
+    with grpc.insecure_channel(worker.address) as channel:
+        replies = list(worker_pb2_grpc.WorkerStub(channel).Decode(worker_pb2.DecodeRequest(
+            request_id="after-reset", prompt_token_ids=prompt, params=_params(2)), timeout=60))
+    assert replies[0].num_cached_tokens == 0  # nothing reusable is left
+    for router in (router_a, router_b):  # the same subscription goes on after a clear
+        wait_until(lambda: gauge(router.metrics, "tandem:kv_index_blocks",
+                                 worker=worker.address) >= 8, timeout=30)
+
+
 def test_a_killed_worker_leaves_every_index_and_its_restart_refills_them(routers):
     stack, router_a, router_b = routers
     victim = stack.workers["both-1"]

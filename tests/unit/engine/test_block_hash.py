@@ -18,6 +18,9 @@ class Recorder:
     def evicted(self, block_hash: int) -> None:
         self.events.append(("evicted", block_hash))
 
+    def cleared(self) -> None:
+        self.events.append(("cleared", None))
+
 
 def computed(bm: BlockManager, token_ids) -> Sequence:
     seq = Sequence(list(token_ids), SamplingParams())
@@ -93,3 +96,20 @@ def test_prompt_hashes_are_computed_as_far_as_they_are_read_and_kept():
     assert 1 <= len(hashes.hashes) < 20  # one run of blocks, not the prompt
     assert list(zip(range(30), hashes)) == list(enumerate(expected[:30]))
     assert list(hashes) == expected[:90] and hashes.hashes == expected[:90]
+
+
+def test_a_reset_forgets_every_cached_block_and_tells_the_listener():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    recorder = Recorder()
+    bm.cache_listener = recorder
+    done = computed(bm, range(9))  # 2 cached blocks, freed below
+    bm.free(done)
+    running = computed(bm, range(100, 109))  # 2 cached blocks a live sequence still holds
+    assert bm.reset_prefix_cache() == 4
+    assert recorder.events[-1] == ("cleared", None) and bm.hash_to_block_id == {}
+    bm.check_invariants([running])
+    again = Sequence(list(range(9)), SamplingParams())
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0  # the freed prompt's blocks are gone
+    running.num_computed_tokens = running.num_tokens
+    bm.check_invariants([running, again])
