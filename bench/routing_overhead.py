@@ -4,15 +4,18 @@
 
 Fills a KVIndex with `--blocks` block hashes spread over `--workers` workers (each worker holds
 the chains of prompts of its own plus a share of a few common system prompts), then times, per
-request, RoutingPolicy.pick from the prompt's token ids: hashing the prompt's blocks as far as
-the index matches them, matching and scoring every worker. Two kinds of request alternate:
-"new tail" (a common system prompt, then tokens no worker holds: hashing stops after the
-system prompt) and "held" (a prompt one worker holds whole, as a conversation's next turn
-finds its history: every block is hashed). For reference it also times hashing every block of
-the prompt. Prints p50 and p99 in microseconds of the thread's CPU time (time.thread_time_ns,
-which other processes on a shared machine do not inflate) and of wall time (perf_counter_ns).
-The router's total per-request time to compare with is its TTFT minus the worker's share
-(`tandem bench`).
+request, RoutingPolicy.pick from the prompt's token ids: hashing the prompt's blocks (those not
+known from a recent prompt, and only as far as the index matches them), matching and scoring
+every worker. Three kinds of request take turns:
+  * "new tail": a common system prompt, then tokens no worker holds;
+  * "next turn": a prompt one worker holds whole, whose first part (all but its last 96
+    tokens) this router routed just before, as a conversation's next turn re-sends its history;
+  * "held, unseen": a prompt one worker holds whole that this router has not seen (another
+    router replica routed the conversation so far): every block is hashed, the worst case.
+For reference it also times hashing every block of the prompt. Prints p50 and p99 in
+microseconds of the thread's CPU time (time.thread_time_ns, which other processes on a shared
+machine do not inflate) and of wall time (perf_counter_ns). The router's total per-request time
+to compare with is its TTFT minus the worker's share (`tandem bench`).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.common.block_hash import prefix_block_hashes
+from tandem.router.recent_prompts import RecentPrompts
 from tandem.router.routing_policy import RoutingNote, RoutingPolicy
 from tandem.v1 import worker_pb2
 
@@ -75,22 +79,28 @@ def main(argv: list[str] | None = None) -> int:
     systems, held_prompts = _fill(policy, workers, args.blocks, args.block_size,
                                   args.prompt_len, rng)
     clocks = {"cpu": time.thread_time_ns, "wall": time.perf_counter_ns}
-    kinds = ("new tail", "held")
+    kinds = ("new tail", "next turn", "held, unseen")
     pick_ns = {(clock, kind): [] for clock in clocks for kind in kinds}
     hash_all_ns = {clock: [] for clock in clocks}
-    for request in range(4 * args.requests):
+    for request in range(2 * len(kinds) * args.requests):
         clock_name = ("cpu", "wall")[request % 2]
-        kind = kinds[request // 2 % 2]
+        kind = kinds[request // 2 % len(kinds)]
         clock = clocks[clock_name]
-        if kind == "held":
-            prompt = rng.choice(held_prompts)
-        else:
+        if kind == "new tail":
             system = rng.choice(systems)
             prompt = system + [rng.randrange(50_000)
                                for _ in range(args.prompt_len - len(system))]
+        else:
+            prompt = rng.choice(held_prompts)
+            if kind == "next turn":
+                policy.pick(workers, prompt[:-96], RoutingNote())
+        recent_prompts = policy.recent_prompts
+        if kind == "held, unseen":
+            policy.recent_prompts = RecentPrompts()  # for this request only
         started = clock()
         policy.pick(workers, prompt, RoutingNote())
         pick_ns[clock_name, kind].append(clock() - started)
+        policy.recent_prompts = recent_prompts
         started = clock()
         prefix_block_hashes(prompt, args.block_size,
                             max_blocks=(len(prompt) - 1) // args.block_size)
@@ -104,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("hash all blocks", hash_all_ns[clock_name]))
         for name, values in rows:
             us = np.asarray(values) / 1e3
-            print(f"{clock_name:<5}{name:<16} p50 {np.percentile(us, 50):8.1f} us   p99 "
+            print(f"{clock_name:<5}{name:<20} p50 {np.percentile(us, 50):8.1f} us   p99 "
                   f"{np.percentile(us, 99):8.1f} us")
     return 0
 

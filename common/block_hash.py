@@ -37,15 +37,18 @@ class PromptBlockHashes:
     """
 
     def __init__(self, token_ids: Sequence[int], block_size: int,
-                 max_blocks: int | None = None) -> None:
+                 max_blocks: int | None = None, known: Sequence[int] = ()) -> None:
+        """`known`: the hashes of the prompt's leading blocks where they are known already (an
+        earlier prompt had the same tokens there); only the blocks after them are hashed."""
         num_blocks = len(token_ids) // block_size
         if max_blocks is not None:
             num_blocks = min(num_blocks, max_blocks)
         self.num_blocks = max(0, num_blocks)
         self.block_size = block_size
-        self.hashes: list[int] = []  # the blocks hashed so far
-        self._token_ids = token_ids
-        self._last_digest = b""  # the latest hashed block's digest
+        self.token_ids = token_ids
+        self.hashes: list[int] = list(known[:self.num_blocks])  # the blocks hashed so far
+        # The latest hashed block's digest: the hash's little-endian bytes.
+        self._last_digest = self.hashes[-1].to_bytes(8, "little") if self.hashes else b""
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -64,7 +67,7 @@ class PromptBlockHashes:
         stop = min(self.num_blocks, first + _BLOCKS_PER_RUN)
         block_size = self.block_size
         packed = struct.pack(f"<{(stop - first) * block_size}q",
-                             *self._token_ids[first * block_size:stop * block_size])
+                             *self.token_ids[first * block_size:stop * block_size])
         step = 8 * block_size
         blake2b = hashlib.blake2b
         digest = self._last_digest

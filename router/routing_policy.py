@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from tandem.common.block_hash import PromptBlockHashes
 from tandem.common.metrics import RouterMetrics
 from tandem.router.kv_index import KVEventFeed, KVIndex
+from tandem.router.recent_prompts import RecentPrompts
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_CACHE_WEIGHT = 8.0
@@ -65,6 +66,7 @@ class RoutingPolicy:
         self.metrics = metrics
         self.index = KVIndex()
         self.feed = KVEventFeed(self.index, metrics)
+        self.recent_prompts = RecentPrompts()  # hashes a re-sent history only past its end
         self._turn = itertools.count()  # round-robin
         self._picks = itertools.count()
         self._last_picked: dict[str, int] = {}  # address -> the number of its latest pick
@@ -117,8 +119,9 @@ class RoutingPolicy:
         for block_size, positions in by_block_size.items():
             hashes = note.prompt_hashes.get(block_size) if note is not None else None
             if hashes is None:
-                hashes = PromptBlockHashes(prompt_token_ids, block_size,
-                                           max_blocks=(len(prompt_token_ids) - 1) // block_size)
+                hashes = self.recent_prompts.hashes(
+                    prompt_token_ids, block_size,
+                    max_blocks=(len(prompt_token_ids) - 1) // block_size)
                 if note is not None:
                     note.prompt_hashes[block_size] = hashes
             matched = self.index.matched_blocks(
