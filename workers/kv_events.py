@@ -3,11 +3,12 @@ block hashes it holds, then the hashes stored and evicted since, and `cleared` w
 cache is dropped (ResetPrefixCache).
 
 The block manager calls `stored`/`evicted` on the engine thread whenever a hash enters or
-leaves its cache map, and `cleared` when every hash leaves at once. Each change gets a sequence number there and is handed to the event loop
-in batches (one loop wake-up per batch, not per block). A subscriber's queue is registered on
-the loop before its snapshot is taken on the engine thread; the snapshot carries the number of
-the last change it includes, and the subscriber skips every change up to that number. So the
-snapshot plus the later changes are exactly the cache's state, whatever the interleaving.
+leaves its cache map, and `cleared` when every hash leaves at once. Each change gets a sequence
+number there and is handed to the event loop in batches (one loop wake-up per batch, not per
+block). A subscriber's queue is registered on the loop before its snapshot is taken on the
+engine thread; the snapshot carries the number of the last change it includes, and the
+subscriber skips every change up to that number. So the snapshot plus the later changes are
+exactly the cache's state, whatever the interleaving.
 """
 from __future__ import annotations
 
