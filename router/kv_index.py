@@ -68,22 +68,29 @@ class KVIndex:
         """Distinct block hashes held by any worker."""
         return len(self._holders)
 
-    def matched_blocks(self, prompt_hashes: list[int], addresses: Iterable[str]
+    def matched_blocks(self, prompt_hashes: Iterable[int], addresses: Iterable[str]
                        ) -> dict[str, int]:
         """For each address: how many leading blocks of the prompt (given by their chained
-        hashes) it holds. Walks the prompt once, stopping at the first block nobody holds."""
-        alive = {address for address in addresses if address in self._held}
+        hashes) it holds. Walks the prompt once for all addresses and reads no hash past the
+        first block none of them holds (PromptBlockHashes computes only the hashes read)."""
         matched = dict.fromkeys(addresses, 0)
-        for index, block_hash in enumerate(prompt_hashes):
-            holders = self._holders.get(block_hash)
-            still = alive & holders if holders else set()
-            for address in alive - still:
-                matched[address] = index
-            alive = still
-            if not alive:
-                return matched
+        alive = {address for address in matched if address in self._held}
+        num_matched = 0
+        if alive:
+            for block_hash in prompt_hashes:
+                holders = self._holders.get(block_hash)
+                if holders is None:
+                    break
+                if not alive <= holders:
+                    still = alive & holders
+                    for address in alive - still:
+                        matched[address] = num_matched
+                    alive = still
+                    if not alive:
+                        break
+                num_matched += 1
         for address in alive:
-            matched[address] = len(prompt_hashes)
+            matched[address] = num_matched
         return matched
 
 

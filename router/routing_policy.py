@@ -5,11 +5,15 @@ cache-aware scores each candidate worker by
 
     cost = load - cache_weight * hit
 
-where `load` is the requests this router has on the worker plus those waiting in its queue
-(from its last GetLoad), plus its KV pressure (KV usage above half, up to one request at
-full), and `hit` is the fraction of the prompt's tokens the worker would serve from its
-prefix cache, predicted from the router's KVIndex with the workers' own chained block hash. The
-lowest cost wins; equal costs take turns (so idle workers share uniform traffic evenly).
+where `load` counts requests: this router's live in-flight count on the worker, plus the
+requests the worker reported running or waiting at its last GetLoad beyond those that were this
+router's own then (other routers' and direct clients'), plus its KV pressure (KV usage above
+half, up to one request at full). A reading counts this router's requests once: the live count
+already holds them, and a stale reading of them would keep a drained worker avoided until the
+next poll. `hit` is the fraction of the prompt's tokens the worker would serve from its prefix
+cache, predicted from the router's KVIndex with the workers' own chained block hash. The
+lowest cost wins; among equal costs the worker picked longest ago wins, so workers with equal
+load share uniform traffic evenly, whatever subsets of them tie.
 
 The load margin: a worker that holds the whole prompt is preferred over one that holds none of
 it only while it has fewer than `cache_weight` more requests (running or waiting) than that
@@ -27,9 +31,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.common.block_hash import prefix_block_hashes
+from tandem.common.block_hash import PromptBlockHashes
 from tandem.common.metrics import RouterMetrics
 from tandem.router.kv_index import KVEventFeed, KVIndex
+from tandem.router.recent_prompts import RecentPrompts
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_CACHE_WEIGHT = 8.0
@@ -43,9 +48,9 @@ class RoutingNote:
 
     predicted_cached_tokens: int = 0
     reason: str = ""
-    # The prompt's block hashes by block size, computed once per request (every pick of a
-    # request, prefill and decode, reuses them).
-    prompt_hashes: dict[int, list[int]] = field(default_factory=dict)
+    # The prompt's block hashes by block size, computed once per request as far as a pick
+    # reads them (every pick of a request, prefill and decode, reuses and extends them).
+    prompt_hashes: dict[int, PromptBlockHashes] = field(default_factory=dict)
 
 
 class RoutingPolicy:
@@ -61,7 +66,10 @@ class RoutingPolicy:
         self.metrics = metrics
         self.index = KVIndex()
         self.feed = KVEventFeed(self.index, metrics)
-        self._turn = itertools.count()
+        self.recent_prompts = RecentPrompts()  # hashes a re-sent history only past its end
+        self._turn = itertools.count()  # round-robin
+        self._picks = itertools.count()
+        self._last_picked: dict[str, int] = {}  # address -> the number of its latest pick
 
     def attach(self, pool) -> None:
         """Routes the pool's picks; cache-aware follows every worker's KV events. Call before
@@ -111,7 +119,7 @@ class RoutingPolicy:
         for block_size, positions in by_block_size.items():
             hashes = note.prompt_hashes.get(block_size) if note is not None else None
             if hashes is None:
-                hashes = prefix_block_hashes(
+                hashes = self.recent_prompts.hashes(
                     prompt_token_ids, block_size,
                     max_blocks=(len(prompt_token_ids) - 1) // block_size)
                 if note is not None:
@@ -129,12 +137,13 @@ class RoutingPolicy:
             self.metrics.routing_actual_cached_tokens.inc(actual_cached_tokens)
 
     def _lowest(self, candidates: list, costs: list[float]):
-        """The lowest-cost candidate; ties take turns."""
+        """The lowest-cost candidate; among equal costs, the one picked longest ago."""
         best = min(costs)
         tied = [worker for worker, cost in zip(candidates, costs) if cost == best]
-        return tied[next(self._turn) % len(tied)] if len(tied) > 1 else tied[0]
+        return min(tied, key=lambda worker: self._last_picked.get(worker.address, -1))
 
     def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None):
+        self._last_picked[worker.address] = next(self._picks)
         if self.metrics is not None:
             self.metrics.routing_reasons.labels(reason=reason, role=worker.role).inc()
         if note is not None and worker.role in _PROMPT_TIERS:
@@ -144,11 +153,14 @@ class RoutingPolicy:
 
 
 def _load(worker) -> float:
-    """Requests in flight (this router's live count) and waiting (the last GetLoad), plus the
-    KV pressure: KV usage above half counts up to one more request at full. Usage below half
-    (a stale reading, often) counts nothing, so idle workers tie and take turns."""
+    """This router's requests on the worker (its live count), others' requests there (the last
+    GetLoad's running and waiting beyond this router's own at the time), plus the KV pressure:
+    KV usage above half counts up to one more request at full. Usage below half (a stale
+    reading, often) counts nothing, so idle workers tie and take turns."""
+    reported = worker.load.num_running + worker.load.num_waiting
+    others = max(0, reported - worker.in_flight_at_load)
     kv_pressure = max(0.0, worker.load.kv_usage - 0.5) * 2
-    return worker.num_in_flight + worker.load.num_waiting + kv_pressure
+    return worker.num_in_flight + others + kv_pressure
 
 
 def add_routing_flags(parser) -> None:

@@ -41,6 +41,9 @@ class WorkerEndpoint:
     outlier: OutlierState
     num_in_flight: int = 0  # requests this router has on the worker now
     load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
+    # This router's requests on the worker while `load` was read (the most it had in flight
+    # from sending GetLoad to its reply): the part of the reported queue that is its own.
+    in_flight_at_load: int = 0
     last_error: str = "not checked yet"
     is_removed: bool = False  # its address left its target: never picked again
 
@@ -211,8 +214,10 @@ class WorkerPool:
                 status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
                 self._record_failure(worker, f"health is {status}", "not_serving", True)
             else:
+                in_flight_at_send = worker.num_in_flight
                 worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
                                                         timeout=timeout)
+                worker.in_flight_at_load = max(in_flight_at_send, worker.num_in_flight)
                 self._record_success(worker)
                 return
         except grpc.aio.AioRpcError as exc:

@@ -1,12 +1,14 @@
 """Publishes a worker's prefix-cache keys to subscribers (SubscribeKVEvents): a snapshot of the
-block hashes it holds, then the hashes stored and evicted since.
+block hashes it holds, then the hashes stored and evicted since, and `cleared` when the whole
+cache is dropped (ResetPrefixCache).
 
 The block manager calls `stored`/`evicted` on the engine thread whenever a hash enters or
-leaves its cache map. Each change gets a sequence number there and is handed to the event loop
-in batches (one loop wake-up per batch, not per block). A subscriber's queue is registered on
-the loop before its snapshot is taken on the engine thread; the snapshot carries the number of
-the last change it includes, and the subscriber skips every change up to that number. So the
-snapshot plus the later changes are exactly the cache's state, whatever the interleaving.
+leaves its cache map, and `cleared` when every hash leaves at once. Each change gets a sequence
+number there and is handed to the event loop in batches (one loop wake-up per batch, not per
+block). A subscriber's queue is registered on the loop before its snapshot is taken on the
+engine thread; the snapshot carries the number of the last change it includes, and the
+subscriber skips every change up to that number. So the snapshot plus the later changes are
+exactly the cache's state, whatever the interleaving.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ class KVEventPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # guards the fields below it (engine thread vs loop)
         self._last_change = 0  # sequence number of the latest change
-        self._pending: list[tuple[int, int, bool]] = []  # (number, hash, is_stored)
+        # (number, hash, is_stored); hash None: the cache was cleared
+        self._pending: list[tuple[int, int | None, bool]] = []
         self._is_flush_scheduled = False
         self._subscribers: set[asyncio.Queue] = set()  # touched only on the loop
         self._is_closed = False
@@ -46,7 +49,10 @@ class KVEventPublisher:
     def evicted(self, block_hash: int) -> None:
         self._push(block_hash, False)
 
-    def _push(self, block_hash: int, is_stored: bool) -> None:
+    def cleared(self) -> None:
+        self._push(None, False)
+
+    def _push(self, block_hash: int | None, is_stored: bool) -> None:
         with self._lock:
             self._last_change += 1
             self._pending.append((self._last_change, block_hash, is_stored))
@@ -107,13 +113,19 @@ class KVEventPublisher:
                                         f"subscriber fell {self.max_unread_batches} batches "
                                         "of KV events behind; subscribe again")
                 latest: dict[int, bool] = {}  # hash -> held, as of the newest change
+                is_cleared = False  # latest holds only the changes after the clear
                 for batch in batches:
                     for number, block_hash, is_stored in batch:
-                        if number > snapshot_change:
+                        if number <= snapshot_change:
+                            continue
+                        if block_hash is None:
+                            latest.clear()
+                            is_cleared = True
+                        else:
                             latest[block_hash] = is_stored
-                if latest:
+                if latest or is_cleared:
                     yield worker_pb2.SubscribeKVEventsResponse(
-                        block_size=block_size,
+                        block_size=block_size, cleared=is_cleared,
                         stored_hashes=[h for h, held in latest.items() if held],
                         evicted_hashes=[h for h, held in latest.items() if not held])
         finally:

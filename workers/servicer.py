@@ -179,6 +179,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async for message in self.kv_events.subscribe(context):
             yield message
 
+    async def ResetPrefixCache(self, request, context):
+        num_forgotten = await self.engine.call(lambda e: e.block_manager.reset_prefix_cache())
+        return worker_pb2.ResetPrefixCacheResponse(num_forgotten_blocks=num_forgotten)
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _background(self, coroutine) -> None:

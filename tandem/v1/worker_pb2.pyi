@@ -220,6 +220,16 @@ class SubscribeKVEventsResponse(_message.Message):
     cleared: bool
     def __init__(self, is_snapshot: _Optional[bool] = ..., block_size: _Optional[int] = ..., stored_hashes: _Optional[_Iterable[int]] = ..., evicted_hashes: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ...) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_forgotten_blocks",)
+    NUM_FORGOTTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_forgotten_blocks: int
+    def __init__(self, num_forgotten_blocks: _Optional[int] = ...) -> None: ...
+
 class PullKVRequest(_message.Message):
     __slots__ = ("handle_id", "start_block", "expected_layout")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -61,6 +61,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/tandem.v1.Worker/ResetPrefixCache',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -108,6 +113,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Drops the worker's whole prefix cache: no later request reuses a block computed before
+        (running requests keep their own KV). Subscribers get a `cleared` event.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +148,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeKVEvents,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +292,33 @@ class Worker:
             '/tandem.v1.Worker/SubscribeKVEvents',
             tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.SubscribeKVEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/ResetPrefixCache',
+            tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,7 +54,8 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         # Told of every hash that enters or leaves hash_to_block_id, on the engine thread:
-        # stored(hash), evicted(hash) (workers/kv_events.py publishes them). None: nobody is.
+        # stored(hash), evicted(hash), cleared() when all leave at once (workers/kv_events.py
+        # publishes them). None: nobody is.
         self.cache_listener = None
         # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
@@ -145,6 +146,20 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block, so no later lookup hits one; returns how many it forgot.
+        Blocks that live sequences hold keep their KV and their hash for those sequences only;
+        free blocks keep nothing."""
+        num_forgotten = len(self.hash_to_block_id)
+        for block_id in self.hash_to_block_id.values():
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                block.hash, block.token_ids = None, None
+        self.hash_to_block_id.clear()
+        if self.cache_listener is not None:
+            self.cache_listener.cleared()
+        return num_forgotten
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -114,4 +114,6 @@ def test_routing_overhead_microbenchmark_runs(capsys):
     assert main(["--workers", "3", "--blocks", "300", "--prompt-len", "64", "--block-size",
                  "4", "--requests", "5"]) == 0
     out = capsys.readouterr().out
-    assert "3 workers, " in out and "match + score" in out and "p99" in out
+    assert "3 workers, " in out and "p99" in out
+    for row in ("pick, new tail", "pick, next turn", "pick, held, unseen", "hash all blocks"):
+        assert row in out

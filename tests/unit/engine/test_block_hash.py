@@ -2,7 +2,7 @@
 and the block manager tells its listener about every key it gains or loses."""
 from __future__ import annotations
 
-from tandem.common.block_hash import compute_block_hash, prefix_block_hashes
+from tandem.common.block_hash import PromptBlockHashes, compute_block_hash, prefix_block_hashes
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.sequence import Sequence
@@ -17,6 +17,9 @@ class Recorder:
 
     def evicted(self, block_hash: int) -> None:
         self.events.append(("evicted", block_hash))
+
+    def cleared(self) -> None:
+        self.events.append(("cleared", None))
 
 
 def computed(bm: BlockManager, token_ids) -> Sequence:
@@ -82,3 +85,31 @@ def test_prefix_hashes_equal_the_one_block_hash_chained_at_every_block_size():
         assert prefix_block_hashes(token_ids, block_size) == expected
         assert prefix_block_hashes(token_ids, block_size, max_blocks=5) == expected[:5]
         assert prefix_block_hashes(token_ids, block_size, max_blocks=0) == []
+
+
+def test_prompt_hashes_are_computed_as_far_as_they_are_read_and_kept():
+    token_ids = [(i * 7919) % 50_000 for i in range(400)]
+    expected = prefix_block_hashes(token_ids, 4)
+    hashes = PromptBlockHashes(token_ids, 4, max_blocks=90)
+    assert len(hashes) == 90 and hashes.hashes == []
+    assert next(iter(hashes)) == expected[0]
+    assert 1 <= len(hashes.hashes) < 20  # one run of blocks, not the prompt
+    assert list(zip(range(30), hashes)) == list(enumerate(expected[:30]))
+    assert list(hashes) == expected[:90] and hashes.hashes == expected[:90]
+
+
+def test_a_reset_forgets_every_cached_block_and_tells_the_listener():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    recorder = Recorder()
+    bm.cache_listener = recorder
+    done = computed(bm, range(9))  # 2 cached blocks, freed below
+    bm.free(done)
+    running = computed(bm, range(100, 109))  # 2 cached blocks a live sequence still holds
+    assert bm.reset_prefix_cache() == 4
+    assert recorder.events[-1] == ("cleared", None) and bm.hash_to_block_id == {}
+    bm.check_invariants([running])
+    again = Sequence(list(range(9)), SamplingParams())
+    bm.allocate(again)
+    assert again.num_cached_tokens == 0  # the freed prompt's blocks are gone
+    running.num_computed_tokens = running.num_tokens
+    bm.check_invariants([running, again])

@@ -18,6 +18,7 @@ class Worker:
     address: str
     role: str = "both"
     num_in_flight: int = 0
+    in_flight_at_load: int = 0
     load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
 
 
@@ -49,6 +50,21 @@ def test_index_matches_leading_blocks_per_worker():
     index.forget("b")
     index.forget("c")
     assert index.num_hashes == 0 and index.block_sizes == {"a": BLOCK}
+
+
+def test_matching_hashes_the_prompt_only_as_far_as_some_worker_holds_it():
+    policy = RoutingPolicy("cache-aware")
+    workers = [Worker("a"), Worker("b")]
+    long_prompt = list(range(1000, 1401))  # 100 blocks to look up
+    hold(policy, workers[0], long_prompt[:12])  # its first 3 blocks
+    note = RoutingNote()
+    assert policy.pick(workers, long_prompt, note) is workers[0]
+    assert note.predicted_cached_tokens == 12
+    hashes = note.prompt_hashes[BLOCK]
+    assert len(hashes) == 100 and len(hashes.hashes) < 20
+    hold(policy, workers[1], long_prompt)  # the decode tier's pick reads on from there
+    assert policy.predicted_cached_tokens(workers, long_prompt, note) == [12, 400]
+    assert hashes.hashes == prefix_block_hashes(long_prompt, BLOCK)[:100]
 
 
 def test_cleared_drops_everything_before_its_stored_hashes():
@@ -95,6 +111,50 @@ def test_equal_workers_take_turns(name):
     workers = [Worker("a"), Worker("b"), Worker("c")]
     picks = [policy.pick(workers, [i] * 9).address for i in range(30)]
     assert sorted(picks.count(a) for a in "abc") == [10, 10, 10]
+
+
+@pytest.mark.parametrize("name", ["cache-aware", "least-loaded"])
+def test_workers_tied_in_changing_subsets_still_share_evenly(name):
+    # Requests arrive in pairs and each pair finishes before the next: the first pick of a
+    # pair ties all three workers, the second ties the two left.
+    policy = RoutingPolicy(name)
+    workers = [Worker("a"), Worker("b"), Worker("c")]
+    picks = []
+    for pair in range(30):
+        for _ in range(2):
+            worker = policy.pick(workers, [pair] * 9)
+            worker.num_in_flight += 1
+            picks.append(worker.address)
+        for worker in workers:
+            worker.num_in_flight = 0
+    assert sorted(picks.count(a) for a in "abc") == [20, 20, 20]
+
+
+@pytest.mark.parametrize("name", ["cache-aware", "least-loaded"])
+def test_a_reported_queue_of_this_routers_own_requests_counts_once(name):
+    # Both workers have 3 of this router's requests; a's last GetLoad saw them (1 running, 2
+    # waiting), b's saw none yet. They are equally loaded.
+    policy = RoutingPolicy(name)
+    a = Worker("a", num_in_flight=3, in_flight_at_load=3,
+               load=worker_pb2.GetLoadResponse(num_running=1, num_waiting=2))
+    b = Worker("b", num_in_flight=3)
+    picks = [policy.pick([a, b], [i] * 9).address for i in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_other_routers_requests_count_as_load():
+    # a runs 4 requests of which none is this router's; b has 2 of this router's.
+    policy = RoutingPolicy("least-loaded")
+    a = Worker("a", load=worker_pb2.GetLoadResponse(num_running=3, num_waiting=1))
+    b = Worker("b", num_in_flight=2, in_flight_at_load=2,
+               load=worker_pb2.GetLoadResponse(num_running=2))
+    assert policy.pick([a, b]) is b
+
+
+def test_round_robin_cycles_through_two_workers():
+    policy = RoutingPolicy("round-robin")
+    workers = [Worker("a"), Worker("b")]
+    assert [policy.pick(workers).address for _ in range(4)] == ["a", "b", "a", "b"]
 
 
 def test_kv_usage_counts_only_above_half():
