@@ -145,6 +145,7 @@ class RequestFlow:
                         yield item
                 return
             except WorkerFailure as failure:
+                self.pool.note_abandoned(failure.worker, self.migrations.current.request_id)
                 self._abort(self.migrations.record_failure(failure.worker.address,
                                                           failure.message))
                 self.metrics.request_migrations.labels(cause=failure.cause).inc()
@@ -316,7 +317,7 @@ class RequestFlow:
             return await _within(stall, awaitable)
         except asyncio.TimeoutError:
             seconds = stall.seconds if isinstance(stall, StallWatchdog) else stall
-            reason = f"sent no {awaited} within {seconds:.1f} s (stall timeout)"
+            reason = f"did not send {awaited} within {seconds:.1f} s (stall timeout)"
             self.pool.mark_failed(worker, reason, cause="stall")
             raise WorkerFailure(worker, "stall",
                                 f"{worker.role} worker {worker.address} {reason}") from None

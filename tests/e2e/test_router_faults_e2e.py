@@ -197,10 +197,14 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         assert router_counter(metrics_address, **rejoins) == 0
         assert worker_load(other.address).num_running == 0
         victim.popen.send_signal(signal.SIGCONT)
-        # Back after its ejection backoff, on its first good health check (the probe), and
-        # with the attempts that moved away dropped (cancelled streams, Aborts).
-        wait_until(lambda: router_counter(metrics_address, **rejoins) >= 1, timeout=30)
-        wait_until(lambda: workers_idle(stack), timeout=30)
+        # Back after its ejection backoff, on a good health check (the probe) that finds the
+        # attempts that moved away dropped (cancelled streams, Aborts): it holds no request
+        # and no KV block from the moment it rejoins.
+        wait_until(lambda: router_counter(metrics_address, **rejoins) >= 1, timeout=30,
+                   interval=0.01)
+        load = worker_load(victim.address)
+        assert (load.num_running, load.num_waiting, load.kv_usage) == (0, 0, 0), load
+        assert workers_idle(stack)
         assert router_counter(metrics_address, **rejoins) == 1
         assert router_counter(metrics_address, **ejections) == 1
     finally:

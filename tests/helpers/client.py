@@ -60,10 +60,11 @@ def generate(address: str, message: generate_pb2.GenerateRequest,
 STACK_INTERNAL_TOKEN = "tandem-e2e-internal-token"
 
 
-def worker_load(address: str) -> worker_pb2.GetLoadResponse:
+def worker_load(address: str, request_ids=()) -> worker_pb2.GetLoadResponse:
+    """The worker's GetLoad answer (asking whether it holds `request_ids`)."""
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(
-            worker_pb2.GetLoadRequest(), timeout=5,
+            worker_pb2.GetLoadRequest(request_ids=list(request_ids)), timeout=5,
             metadata=[(INTERNAL_TOKEN_KEY, STACK_INTERNAL_TOKEN)])
 
 
