@@ -59,6 +59,11 @@ class WorkerEndpoint:
         return self.outlier.is_in_pool and not self.is_removed
 
     @property
+    def process_key(self) -> tuple[str, str]:
+        """The worker process: a restart at the same address is another one."""
+        return (self.address, self.instance_id)
+
+    @property
     def score(self) -> tuple[float, float]:
         """Lower is better: requests in flight here (the live signal), then KV usage."""
         return (self.num_in_flight + self.load.num_waiting, self.load.kv_usage)
@@ -148,11 +153,12 @@ class WorkerPool:
     def healthy(self, role: str) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role == role and w.is_healthy]
 
-    def pick(self, *roles: str, exclude: Collection[str] = (), prompt_token_ids=(),
+    def pick(self, *roles: str, exclude: Collection[tuple[str, str]] = (), prompt_token_ids=(),
              note=None) -> WorkerEndpoint | None:
-        """A healthy worker of these roles whose address is not in `exclude`, as the routing
-        policy chooses (router/routing_policy.py); without one, the least loaded."""
-        candidates = [w for role in roles for w in self.healthy(role) if w.address not in exclude]
+        """A healthy worker of these roles whose process_key is not in `exclude`, as the
+        routing policy chooses (router/routing_policy.py); without one, the least loaded."""
+        candidates = [w for role in roles for w in self.healthy(role)
+                      if w.process_key not in exclude]
         if self.policy is not None:
             return self.policy.pick(candidates, prompt_token_ids, note)
         return min(candidates, key=lambda w: w.score) if candidates else None

@@ -159,8 +159,9 @@ def test_restarted_worker_rejoins_on_its_first_good_check():
 
 def test_restarted_worker_starts_a_new_history_and_rejoins_on_one_good_probe():
     """A worker killed while its backoff is long and restarted at once on the same port is a
-    new process (another instance_id): its first good check brings it back, and its next
-    ejection starts again from the base backoff. The same process keeps its backoff."""
+    new process (another instance_id): its first good check brings it back, a request that
+    failed on the old process may move to it, and its next ejection starts again from the
+    base backoff. The same process keeps its backoff."""
     backoff = 60.0
     policy = HealthPolicy(base_ejection_seconds=backoff, max_ejection_seconds=600)
 
@@ -168,6 +169,7 @@ def test_restarted_worker_starts_a_new_history_and_rejoins_on_one_good_probe():
         first = StandinWorker(instance_id="first")
         with serve(first.register) as address:
             pool, worker = await joined_pool(address, policy)
+            failed_for_a_request = {worker.process_key}
             pool.mark_failed(worker, "UNAVAILABLE: the worker was killed")
             await pool.check_all()  # the same instance, inside its backoff: still out
             assert not worker.is_healthy
@@ -176,6 +178,7 @@ def test_restarted_worker_starts_a_new_history_and_rejoins_on_one_good_probe():
         with serve(second.register, port=port):
             await pool.check_all()
             assert worker.is_healthy, worker.last_error
+            assert pool.pick("both", exclude=failed_for_a_request) is worker
             pool.mark_failed(worker, "UNAVAILABLE: killed again soon after it rejoined")
             assert worker.outlier.backoff_seconds == backoff  # not doubled
         await pool.close()
