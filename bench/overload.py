@@ -9,7 +9,9 @@ streams alone (the unloaded run) and then 10 x C streams released at once (the b
 reports how fast the excess got RESOURCE_EXHAUSTED (time from the call to its status, max and
 p99) and the admitted streams' p99 TPOT against the unloaded run's; exit status 1 unless every
 refusal came within `--refusal-budget-ms` (50) and the TPOT ratio is within `--tpot-ratio`
-(1.5).
+(1.5). The same bursts then go to a stand-in server (its own process) that refuses every call
+at once: its times (`floor_refusal_ms_*`) are what the client and the host alone cost, the
+part of a refusal's time that no router can remove.
 
 `health` starts one aggregated worker behind a router, saturates its engine with `--streams`
 decoding streams plus one `--long-prompt`-token prompt prefilling, and meanwhile checks the
@@ -26,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
+import socket
 import sys
 import tempfile
 import threading
@@ -39,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.up_stack import UpStack
 from tandem.client import AsyncTandemClient
+from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 __all__ = ["main"]
 BURST_FACTOR = 10
@@ -113,6 +118,54 @@ class Streams:
             self.tpots_s.append(result.client_tpot_seconds)
 
 
+class InstantRefuser(generate_pb2_grpc.GenerateServicer):
+    """Answers every Generate call RESOURCE_EXHAUSTED at once, as a full router would."""
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC's naming)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "stand-in: always full",
+                            (("retry-after-ms", "100"),))
+        yield  # an async generator, as the router's handler is
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return generate_pb2.GetModelInfoResponse(model="instant-refuser")
+
+
+def serve_instant_refuser(port: int, ready) -> None:
+    """Process entry point: serve InstantRefuser on 127.0.0.1:`port` until terminated."""
+    async def main() -> None:
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateServicer_to_server(InstantRefuser(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+    asyncio.run(main())
+
+
+def client_floor_refusals_ms(bursts: list[list[list[int]]], max_tokens: int) -> list[float]:
+    """Refusal times of these bursts against an InstantRefuser in a child process."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    refuser = context.Process(target=serve_instant_refuser, args=(port, ready), daemon=True)
+    refuser.start()
+    refusals: list[float] = []
+    try:
+        while not ready.wait(0.5):
+            if not refuser.is_alive():
+                raise RuntimeError("the instant refuser did not start")
+        for prompts in bursts:
+            streams = Streams(f"127.0.0.1:{port}", prompts, max_tokens)
+            streams.run()
+            refusals += streams.refusals_ms
+    finally:
+        refuser.terminate()
+        refuser.join(10)
+    return refusals
+
+
 def seeded_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(num)]
@@ -127,10 +180,10 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
     stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
                      "--max-queue", "0"], log_dir)
     unloaded, burst = [], Streams(stack.router.address, [], args.max_tokens)
+    bursts = [seeded_prompts(BURST_FACTOR * cap, args.prompt_len, vocab_size(model), index)
+              for index in range(args.rounds)]
     try:
-        for round_index in range(args.rounds):
-            prompts = seeded_prompts(BURST_FACTOR * cap, args.prompt_len, vocab_size(model),
-                                     round_index)
+        for round_index, prompts in enumerate(bursts):
             alone = Streams(stack.router.address, prompts[:cap], args.max_tokens)
             alone.run()
             unloaded += alone.tpots_s
@@ -144,6 +197,7 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
                   f"refused, {len(loaded.tpots_s)} admitted", file=sys.stderr, flush=True)
     finally:
         stack.stop()
+    floor_ms = client_floor_refusals_ms(bursts, args.max_tokens)
     numbers = {
         "max_concurrency": cap, "burst_size": BURST_FACTOR * cap, "rounds": args.rounds,
         "refused": len(burst.refusals_ms), "admitted": len(burst.tpots_s),
@@ -151,6 +205,9 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
         "refusal_ms_max": max(burst.refusals_ms, default=None),
         "refusal_ms_p99": percentile(burst.refusals_ms, 99),
         "refusal_ms_p50": percentile(burst.refusals_ms, 50),
+        "floor_refusal_ms_max": max(floor_ms, default=None),
+        "floor_refusal_ms_p99": percentile(floor_ms, 99),
+        "floor_refusal_ms_p50": percentile(floor_ms, 50),
         "unloaded_tpot_ms_p99": 1000 * percentile(unloaded, 99),
         "burst_tpot_ms_p99": 1000 * percentile(burst.tpots_s, 99),
     }

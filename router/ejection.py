@@ -12,7 +12,9 @@ An ejected worker is still checked; while its backoff runs, good checks do not b
 and after it the next good check does (half-open: one probe, not a timer, decides). The backoff
 is `base_ejection_seconds`, doubled for each ejection that follows a rejoin by less than
 `max_ejection_seconds` (a flapping worker), capped there. A worker that was down longer than
-its backoff (a restart) rejoins on its first good check.
+its backoff rejoins on its first good check. A restarted worker (a new process at the same
+address, told apart by its instance id) is a new worker: `start_over` forgets the old one's
+failures and backoff, so its first good check brings it in.
 """
 from __future__ import annotations
 
@@ -59,6 +61,14 @@ class OutlierState:
         self.is_in_pool = True
         self.joined_at = now
         return True
+
+    def start_over(self) -> None:
+        """A new process serves at the address: no failures, no backoff (still out of the pool
+        until a good check)."""
+        self.num_failed_checks = 0
+        self.num_ejections_in_a_row = 0
+        self.backoff_seconds = 0.0
+        self.ejected_until = 0.0
 
     def record_failure(self, now: float, is_hard: bool) -> bool:
         """A failed check or request. True when it ejects the worker."""

@@ -1,5 +1,5 @@
 """A request's attempts across workers: which workers it reached under which worker-side id,
-which of them failed, and whether it may move once more (`--migration-limit`).
+which worker processes failed it, and whether it may move once more (`--migration-limit`).
 
 Every attempt has its own worker-side request id (the call's id, then `<id>.m1`, `<id>.m2`,
 ...), so a failed worker that is still running the request (frozen, then thawed) can never
@@ -8,6 +8,7 @@ flow: at the failure for a failed attempt, at the end of the call for the last o
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,7 +31,9 @@ class MigrationLog:
         self.migration_limit = migration_limit
         self.attempts = [Attempt(worker_request_id)]
         self.failures: list[str] = []  # one line per failed attempt, for the final error
-        self.failed_addresses: set[str] = set()  # never picked again for this request
+        # WorkerEndpoint.process_key of each worker that failed the request: never picked
+        # again for it (a restarted process at the same address may be)
+        self.failed_workers: set[Hashable] = set()
 
     @property
     def current(self) -> Attempt:
@@ -40,13 +43,13 @@ class MigrationLog:
     def num_migrations(self) -> int:
         return len(self.attempts) - 1
 
-    def record_failure(self, address: str, message: str) -> Attempt:
-        """The current attempt failed on the worker at `address`; returns the attempt (its
+    def record_failure(self, worker: Hashable, message: str) -> Attempt:
+        """The current attempt failed on `worker` (its process_key); returns the attempt (its
         workers need an Abort) and opens the next one, or raises UNAVAILABLE naming every
         attempt once the limit is reached."""
         failed = self.current
         self.failures.append(message)
-        self.failed_addresses.add(address)
+        self.failed_workers.add(worker)
         if self.num_migrations >= self.migration_limit:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, self.describe(
                 f"the request failed on {len(self.failures)} worker(s) "

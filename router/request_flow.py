@@ -145,7 +145,8 @@ class RequestFlow:
                         yield item
                 return
             except WorkerFailure as failure:
-                self._abort(self.migrations.record_failure(failure.worker.address,
+                self.pool.note_abandoned(failure.worker, self.migrations.current.request_id)
+                self._abort(self.migrations.record_failure(failure.worker.process_key,
                                                           failure.message))
                 self.metrics.request_migrations.labels(cause=failure.cause).inc()
                 logger.warning("request %s: %s; migrating it after %d streamed tokens "
@@ -281,11 +282,12 @@ class RequestFlow:
 
     def _candidates(self, *roles: str) -> list[WorkerEndpoint]:
         """Healthy workers of these roles that have not failed this request."""
-        failed = self.migrations.failed_addresses
-        return [w for role in roles for w in self.pool.healthy(role) if w.address not in failed]
+        failed = self.migrations.failed_workers
+        return [w for role in roles for w in self.pool.healthy(role)
+                if w.process_key not in failed]
 
     def _pick(self, attempt: Attempt, *roles: str) -> WorkerEndpoint:
-        worker = self.pool.pick(*roles, exclude=self.migrations.failed_addresses,
+        worker = self.pool.pick(*roles, exclude=self.migrations.failed_workers,
                                 prompt_token_ids=self.request.prompt_token_ids,
                                 note=self.routing_note)
         if worker is None:
@@ -316,7 +318,7 @@ class RequestFlow:
             return await _within(stall, awaitable)
         except asyncio.TimeoutError:
             seconds = stall.seconds if isinstance(stall, StallWatchdog) else stall
-            reason = f"sent no {awaited} within {seconds:.1f} s (stall timeout)"
+            reason = f"did not send {awaited} within {seconds:.1f} s (stall timeout)"
             self.pool.mark_failed(worker, reason, cause="stall")
             raise WorkerFailure(worker, "stall",
                                 f"{worker.role} worker {worker.address} {reason}") from None

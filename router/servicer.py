@@ -1,4 +1,4 @@
-"""The public Generate service: validate, tokenize, admit, then relay a RequestFlow.
+"""The public Generate service: admit, validate, tokenize, then relay a RequestFlow.
 
 `add_generate_service` registers it with a request parser that turns undecodable bytes (a
 truncated message, a string field that is not UTF-8) into INVALID_ARGUMENT instead of the
@@ -103,46 +103,32 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     async def stream(self, request: generate_pb2.GenerateRequest,
                      deadline: Deadline) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """One request's responses, whatever the transport: validation, tokenization,
-        admission, then the RequestFlow. Raises RequestError for a request that fails;
-        closing or cancelling the generator (a client that went away) aborts the request on
-        every worker it reached. `deadline` is the grpc context, or any object whose
-        time_remaining() gives the seconds left (None: no deadline)."""
+        """One request's responses, whatever the transport: admission first (a full router
+        refuses before any other work), then validation, tokenization, a running slot and
+        the RequestFlow. Raises RequestError for a request that fails; closing or cancelling
+        the generator (a client that went away) aborts the request on every worker it
+        reached. `deadline` is the grpc context, or any object whose time_remaining() gives
+        the seconds left (None: no deadline)."""
         arrival = time.monotonic()
         try:
-            worker_id = worker_request_id(request.request_id)
-            request_id = request.request_id or worker_id
             if self.is_draining:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
-            limits = self.frontend.limits
-            check_request(request, limits)
-            forcing = self.frontend.tool_call_grammar(request.chat)
-            if forcing is not None:  # tool_choice required or named: the grammar makes the call
-                request.structured_output.grammar = forcing
-            spec = structured_output(request)
-            if spec is not None:
-                problem = await self.frontend.structured_output_error(spec)
-                if problem is not None:
-                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, problem)
-            started = time.monotonic()
-            prompt = await self.frontend.prompt_token_ids(request)
-            self.metrics.tokenization_time.observe(time.monotonic() - started)
-            params = resolve_params(request, len(prompt), limits)
-            async with self.admission.slot():
-                remaining = deadline.time_remaining()
-                if remaining is not None and remaining <= 0:
-                    raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       "the deadline passed while the request waited for "
-                                       "admission")
-                queue_seconds = time.monotonic() - arrival
-                self.metrics.queue_time.observe(queue_seconds)
-                self.metrics.prompt_tokens.inc(len(prompt))
-                flow = RequestFlow(self.pool, self.frontend.tokenizer, RequestContext(
-                    request_id, worker_id, prompt, params, list(request.stop.stop), arrival,
-                    queue_seconds), deadline, self.metrics, self.stall, self.migration_limit)
-                async with aclosing(flow.responses()) as responses:
-                    async for response in responses:
-                        yield response
+            with self.admission.place():
+                prepared = await self._prepare(request, arrival)
+                async with self.admission.slot():
+                    remaining = deadline.time_remaining()
+                    if remaining is not None and remaining <= 0:
+                        raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           "the deadline passed while the request waited for "
+                                           "admission")
+                    prepared.queue_seconds = time.monotonic() - arrival
+                    self.metrics.queue_time.observe(prepared.queue_seconds)
+                    self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
+                    flow = RequestFlow(self.pool, self.frontend.tokenizer, prepared, deadline,
+                                       self.metrics, self.stall, self.migration_limit)
+                    async with aclosing(flow.responses()) as responses:
+                        async for response in responses:
+                            yield response
         except RequestError as exc:
             self.metrics.requests_finished.labels(status=exc.code.name).inc()
             raise
@@ -152,6 +138,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 else "CANCELLED"
             self.metrics.requests_finished.labels(status=status).inc()
             raise
+
+    async def _prepare(self, request: generate_pb2.GenerateRequest,
+                       arrival: float) -> RequestContext:
+        """The request checked, tokenized (off the event loop) and resolved; RequestError
+        names what is wrong with it."""
+        worker_id = worker_request_id(request.request_id)
+        limits = self.frontend.limits
+        check_request(request, limits)
+        forcing = self.frontend.tool_call_grammar(request.chat)
+        if forcing is not None:  # tool_choice required or named: the grammar makes the call
+            request.structured_output.grammar = forcing
+        spec = structured_output(request)
+        if spec is not None:
+            problem = await self.frontend.structured_output_error(spec)
+            if problem is not None:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        started = time.monotonic()
+        prompt = await self.frontend.prompt_token_ids(request)
+        self.metrics.tokenization_time.observe(time.monotonic() - started)
+        params = resolve_params(request, len(prompt), limits)
+        return RequestContext(request.request_id or worker_id, worker_id, prompt, params,
+                              list(request.stop.stop), arrival, queue_seconds=0.0)
 
 
 class Deadline(Protocol):

@@ -6,7 +6,12 @@ each within `check_timeout_seconds`), so a slow worker never delays the others' 
 in the routing pool follows router/ejection.py: a worker that cannot be reached, answers
 NOT_SERVING (it is draining) or fails a request leaves at once; one that is merely slow leaves
 after `failure_threshold` failed checks in a row; each comes back after its backoff, on a good
-check. An ejected worker with no request in flight gets a fresh channel after each failed check:
+check. Two things a check learns from GetLoad decide more: a new instance id (the worker
+restarted) starts its history over, so a new process is not held to its predecessor's backoff;
+and an ejected worker still holding requests the router gave up on there (a frozen worker,
+thawed, whose requests moved away) gets their Aborts again and stays out until a check finds
+none of them, so it rejoins with no KV in use for work that runs elsewhere or ended.
+An ejected worker with no request in flight gets a fresh channel after each failed check:
 gRPC's reconnect backoff on the old one (it grows to minutes) would hide a restarted worker from
 the checks long after it serves. A worker whose address disappears from its target stops
 receiving requests at once; its channel closes when its last request ends.
@@ -46,11 +51,20 @@ class WorkerEndpoint:
     in_flight_at_load: int = 0
     last_error: str = "not checked yet"
     is_removed: bool = False  # its address left its target: never picked again
+    instance_id: str = ""  # the worker process's, from its latest GetLoad
+    # Worker-side ids of requests the router gave up on here after the worker failed them;
+    # it rejoins the pool only once it holds none of them.
+    abandoned_request_ids: set[str] = field(default_factory=set)
 
     @property
     def is_healthy(self) -> bool:
         """In the routing pool: may receive new requests."""
         return self.outlier.is_in_pool and not self.is_removed
+
+    @property
+    def process_key(self) -> tuple[str, str]:
+        """The worker process: a restart at the same address is another one."""
+        return (self.address, self.instance_id)
 
     @property
     def score(self) -> tuple[float, float]:
@@ -142,11 +156,12 @@ class WorkerPool:
     def healthy(self, role: str) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role == role and w.is_healthy]
 
-    def pick(self, *roles: str, exclude: Collection[str] = (), prompt_token_ids=(),
+    def pick(self, *roles: str, exclude: Collection[tuple[str, str]] = (), prompt_token_ids=(),
              note=None) -> WorkerEndpoint | None:
-        """A healthy worker of these roles whose address is not in `exclude`, as the routing
-        policy chooses (router/routing_policy.py); without one, the least loaded."""
-        candidates = [w for role in roles for w in self.healthy(role) if w.address not in exclude]
+        """A healthy worker of these roles whose process_key is not in `exclude`, as the
+        routing policy chooses (router/routing_policy.py); without one, the least loaded."""
+        candidates = [w for role in roles for w in self.healthy(role)
+                      if w.process_key not in exclude]
         if self.policy is not None:
             return self.policy.pick(candidates, prompt_token_ids, note)
         return min(candidates, key=lambda w: w.score) if candidates else None
@@ -154,6 +169,14 @@ class WorkerPool:
     def mark_failed(self, worker: WorkerEndpoint, reason: str, cause: str = "request") -> None:
         """A request on `worker` failed or stalled: eject it at once."""
         self._record_failure(worker, reason, cause, is_hard=True)
+
+    def note_abandoned(self, worker: WorkerEndpoint, request_id: str) -> None:
+        """The router gave up on `request_id` on `worker` after a failure there (the request
+        moved to another worker or failed; the flow sent its Abort). While the worker is out
+        of the pool it rejoins only once a check finds it no longer holds the request; a
+        worker still in the pool ended the request itself."""
+        if not worker.outlier.is_in_pool:
+            worker.abandoned_request_ids.add(request_id)
 
     def _record_failure(self, worker: WorkerEndpoint, reason: str, cause: str,
                         is_hard: bool) -> None:
@@ -215,10 +238,20 @@ class WorkerPool:
                 self._record_failure(worker, f"health is {status}", "not_serving", True)
             else:
                 in_flight_at_send = worker.num_in_flight
-                worker.load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
-                                                        timeout=timeout)
+                load = await worker.stub.GetLoad(worker_pb2.GetLoadRequest(
+                    request_ids=sorted(worker.abandoned_request_ids)), timeout=timeout)
+                worker.load = load
                 worker.in_flight_at_load = max(in_flight_at_send, worker.num_in_flight)
-                self._record_success(worker)
+                self._note_instance(worker, load.instance_id)
+                worker.abandoned_request_ids.intersection_update(load.held_request_ids)
+                if not worker.abandoned_request_ids:
+                    self._record_success(worker)
+                    return
+                worker.last_error = (f"still holds {len(worker.abandoned_request_ids)} request(s) "
+                                     "the router gave up on; aborting them again")
+                logger.info("%s worker %s stays out of the pool: %s", worker.role,
+                            worker.address, worker.last_error)
+                await self._abort_abandoned(worker, timeout)
                 return
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -228,3 +261,23 @@ class WorkerPool:
                                  is_hard=is_unreachable)
         if not worker.is_healthy and not worker.is_removed and worker.num_in_flight == 0:
             await self._reconnect(worker)
+
+    def _note_instance(self, worker: WorkerEndpoint, instance_id: str) -> None:
+        """A new instance id at the worker's address is a restarted process: what the old one
+        earned (failures, backoff, requests it held) no longer applies."""
+        if instance_id == worker.instance_id:
+            return
+        if worker.instance_id and instance_id:
+            logger.info("%s worker %s restarted (instance %s, was %s): its failures and "
+                        "ejection backoff start over", worker.role, worker.address,
+                        instance_id, worker.instance_id)
+            worker.outlier.start_over()
+            worker.abandoned_request_ids.clear()
+        worker.instance_id = instance_id
+
+    @staticmethod
+    async def _abort_abandoned(worker: WorkerEndpoint, timeout: float) -> None:
+        await asyncio.gather(*(worker.stub.Abort(worker_pb2.AbortRequest(request_id=request_id),
+                                                 timeout=timeout)
+                               for request_id in sorted(worker.abandoned_request_ids)),
+                             return_exceptions=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import grpc
 
@@ -88,6 +89,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
         self.connector_endpoints = connector_endpoints or {}  # connector backends offered
         self.kv_pull_failure = kv_pull_failure
+        self.instance_id = uuid.uuid4().hex  # new for every process: a restart is told apart
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
         self.kv_events = KVEventPublisher(engine)
@@ -173,7 +175,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=len(engine.scheduler.waiting) + len(engine.awaiting_grammar),
             kv_usage=manager.usage,
             num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
-            model=self.model_name)
+            model=self.model_name, instance_id=self.instance_id,
+            held_request_ids=[request_id for request_id in request.request_ids
+                              if request_id in self._tasks or request_id in engine.requests])
 
     async def SubscribeKVEvents(self, request, context):
         async for message in self.kv_events.subscribe(context):

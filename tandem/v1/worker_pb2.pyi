@@ -181,11 +181,13 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_pinned", "model")
+    __slots__ = ("role", "num_running", "num_waiting", "kv_usage", "num_free_blocks", "num_pinned", "model", "instance_id", "held_request_ids")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,8 @@ class GetLoadResponse(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -200,7 +204,9 @@ class GetLoadResponse(_message.Message):
     num_free_blocks: int
     num_pinned: int
     model: str
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    held_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., held_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ()

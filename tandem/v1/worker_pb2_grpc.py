@@ -97,7 +97,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Reports load, for routing.
+        """Reports load, for routing, and the worker's instance and held requests, for its health.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from helpers.client import generate, request, router_counter, worker_load
+from helpers.client import generate, metric_sum, request, router_counter, worker_load
 from helpers.processes import admit_late, free_port, start_stack, stop, wait_until
 
 MAX_CONCURRENCY, MAX_QUEUE = 2, 2
@@ -130,6 +130,27 @@ def test_request_whose_deadline_passes_in_the_queue_never_reaches_a_worker(small
     wait_until(lambda: workers_idle(small_router), timeout=5)
 
 
+def test_a_full_router_refuses_before_tokenizing(small_router):
+    """With every running and queue place taken, a text prompt is refused RESOURCE_EXHAUSTED
+    without reaching the tokenizer: refusing is the first thing a call does."""
+    address, metrics = small_router.router.address, small_router.router_metrics
+    num_places = MAX_CONCURRENCY + MAX_QUEUE
+    threads = [threading.Thread(target=generate, args=(address, request([60 + i] * 20, **LONG)),
+                                kwargs=dict(timeout=120)) for i in range(num_places)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: metric_sum(metrics, "tandem:num_requests_running") == MAX_CONCURRENCY
+               and metric_sum(metrics, "tandem:num_requests_waiting") == MAX_QUEUE, timeout=20)
+    tokenized = metric_sum(metrics, "tandem:tokenization_time_seconds_count")
+    with pytest.raises(grpc.RpcError) as info:
+        generate(address, request("a text prompt the tokenizer never sees"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert metric_sum(metrics, "tandem:tokenization_time_seconds_count") == tokenized
+    for thread in threads:
+        thread.join(timeout=120)
+    wait_until(lambda: workers_idle(small_router), timeout=5)
+
+
 NUM_FROZEN_STREAMS = 8
 
 
@@ -197,10 +218,14 @@ def test_frozen_decode_worker_streams_move_to_the_other_and_it_is_ejected(checkp
         assert router_counter(metrics_address, **rejoins) == 0
         assert worker_load(other.address).num_running == 0
         victim.popen.send_signal(signal.SIGCONT)
-        # Back after its ejection backoff, on its first good health check (the probe), and
-        # with the attempts that moved away dropped (cancelled streams, Aborts).
-        wait_until(lambda: router_counter(metrics_address, **rejoins) >= 1, timeout=30)
-        wait_until(lambda: workers_idle(stack), timeout=30)
+        # Back after its ejection backoff, on a good health check (the probe) that finds the
+        # attempts that moved away dropped (cancelled streams, Aborts): it holds no request
+        # and no KV block from the moment it rejoins.
+        wait_until(lambda: router_counter(metrics_address, **rejoins) >= 1, timeout=30,
+                   interval=0.01)
+        load = worker_load(victim.address)
+        assert (load.num_running, load.num_waiting, load.kv_usage) == (0, 0, 0), load
+        assert workers_idle(stack)
         assert router_counter(metrics_address, **rejoins) == 1
         assert router_counter(metrics_address, **ejections) == 1
     finally:

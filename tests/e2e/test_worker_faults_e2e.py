@@ -172,6 +172,24 @@ def test_deadlined_and_aborted_prefills_leave_nothing_pinned(checkpoint, tmp_pat
         stop([prefill])
 
 
+def test_load_names_the_instance_and_which_asked_about_requests_are_held(worker):
+    """What a router's probe reads before a worker rejoins: the process's instance id (the
+    same on every answer) and which of the ids it asks about the worker still holds, until
+    the request is aborted."""
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        call = stub.Decode(decode_request("held", [9] * 20), timeout=60)
+        next(call)
+        load = worker_load(worker.address, ["held", "never-sent"])
+        assert list(load.held_request_ids) == ["held"]
+        assert load.instance_id and worker_load(worker.address).instance_id == load.instance_id
+        assert stub.Abort(worker_pb2.AbortRequest(request_id="held"), timeout=10).found
+        wait_until(lambda: not worker_load(worker.address, ["held"]).held_request_ids,
+                   timeout=20)
+        call.cancel()
+    wait_until(lambda: is_idle(worker.address), timeout=20)
+
+
 def test_a_second_stream_with_a_live_request_id_is_refused_and_leaves_the_first_alone(worker):
     """A duplicate id gets ALREADY_EXISTS; the first stream keeps its events and is not
     aborted by the second handler's clean-up."""

@@ -60,10 +60,11 @@ def generate(address: str, message: generate_pb2.GenerateRequest,
 STACK_INTERNAL_TOKEN = "tandem-e2e-internal-token"
 
 
-def worker_load(address: str) -> worker_pb2.GetLoadResponse:
+def worker_load(address: str, request_ids=()) -> worker_pb2.GetLoadResponse:
+    """The worker's GetLoad answer (asking whether it holds `request_ids`)."""
     with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(
-            worker_pb2.GetLoadRequest(), timeout=5,
+            worker_pb2.GetLoadRequest(request_ids=list(request_ids)), timeout=5,
             metadata=[(INTERNAL_TOKEN_KEY, STACK_INTERNAL_TOKEN)])
 
 
@@ -92,8 +93,14 @@ def call_worker_rpc(channel, service: str, method: str, request_type, metadata=(
 
 def router_counter(metrics_address: str, name: str, **labels) -> float:
     """The sum of a counter's samples on a /metrics endpoint whose labels include `labels`."""
+    return metric_sum(metrics_address, f"{name}_total", **labels)
+
+
+def metric_sum(metrics_address: str, sample_name: str, **labels) -> float:
+    """The sum of the samples named `sample_name` (a gauge, a histogram's `_count`, ...) on a
+    /metrics endpoint whose labels include `labels`."""
     with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
         text = response.read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples
-               if sample.name == f"{name}_total" and labels.items() <= sample.labels.items())
+               if sample.name == sample_name and labels.items() <= sample.labels.items())

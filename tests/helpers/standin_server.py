@@ -52,12 +52,17 @@ def serve_generate(servicer, tls=None, interceptors=()) -> Iterator[str]:
 
 class StandinWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer):
     """Answers the router's health checks (grpc.health.v1 Check, then Worker/GetLoad) with
-    `status` after `check_delay_seconds`; set both from any thread."""
+    `status` after `check_delay_seconds`; set both from any thread. GetLoad reports
+    `instance_id` and which asked-about ids are in `held_request_ids`; Abort drops an id from
+    it (and records it in `aborted`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance_id: str = "standin-1") -> None:
         self.status = health_pb2.HealthCheckResponse.SERVING
         self.check_delay_seconds = 0.0
         self.num_checks = 0
+        self.instance_id = instance_id
+        self.held_request_ids: set[str] = set()
+        self.aborted: list[str] = []
 
     async def Check(self, request, context):  # noqa: N802 (gRPC's naming)
         self.num_checks += 1
@@ -65,7 +70,15 @@ class StandinWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServic
         return health_pb2.HealthCheckResponse(status=self.status)
 
     async def GetLoad(self, request, context):  # noqa: N802
-        return worker_pb2.GetLoadResponse()
+        return worker_pb2.GetLoadResponse(
+            instance_id=self.instance_id,
+            held_request_ids=[i for i in request.request_ids if i in self.held_request_ids])
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.aborted.append(request.request_id)
+        found = request.request_id in self.held_request_ids
+        self.held_request_ids.discard(request.request_id)
+        return worker_pb2.AbortResponse(found=found)
 
     def register(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self, server)

@@ -16,7 +16,7 @@ def test_each_attempt_gets_its_own_request_id_until_the_limit():
     assert [first.request_id, second.request_id, log.current.request_id] == \
         ["client.abc", "client.abc.m1", "client.abc.m2"]
     assert log.num_migrations == 2
-    assert log.failed_addresses == {"10.0.0.1:1", "10.0.0.2:1"}
+    assert log.failed_workers == {"10.0.0.1:1", "10.0.0.2:1"}
     with pytest.raises(RequestError) as info:
         log.record_failure("10.0.0.3:1", "decode worker 10.0.0.3:1 ended the stream")
     assert info.value.code == grpc.StatusCode.UNAVAILABLE

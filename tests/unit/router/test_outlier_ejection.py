@@ -157,6 +157,62 @@ def test_restarted_worker_rejoins_on_its_first_good_check():
     asyncio.run(scenario(serve(standin.register)))
 
 
+def test_restarted_worker_starts_a_new_history_and_rejoins_on_one_good_probe():
+    """A worker killed while its backoff is long and restarted at once on the same port is a
+    new process (another instance_id): its first good check brings it back, a request that
+    failed on the old process may move to it, and its next ejection starts again from the
+    base backoff. The same process keeps its backoff."""
+    backoff = 60.0
+    policy = HealthPolicy(base_ejection_seconds=backoff, max_ejection_seconds=600)
+
+    async def scenario():
+        first = StandinWorker(instance_id="first")
+        with serve(first.register) as address:
+            pool, worker = await joined_pool(address, policy)
+            failed_for_a_request = {worker.process_key}
+            pool.mark_failed(worker, "UNAVAILABLE: the worker was killed")
+            await pool.check_all()  # the same instance, inside its backoff: still out
+            assert not worker.is_healthy
+        port = int(address.rsplit(":", 1)[1])
+        second = StandinWorker(instance_id="second")
+        with serve(second.register, port=port):
+            await pool.check_all()
+            assert worker.is_healthy, worker.last_error
+            assert pool.pick("both", exclude=failed_for_a_request) is worker
+            pool.mark_failed(worker, "UNAVAILABLE: killed again soon after it rejoined")
+            assert worker.outlier.backoff_seconds == backoff  # not doubled
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_probe_waits_until_the_worker_dropped_the_requests_given_up_on_there():
+    """Requests that moved off an ejected worker (a frozen one, say) must be gone from it
+    before it rejoins: the probe asks about them, re-sends their Aborts, and only a check that
+    finds none held brings the worker back."""
+    standin = StandinWorker()
+
+    async def scenario(address):
+        pool, worker = await joined_pool(address, HealthPolicy(base_ejection_seconds=0.1))
+        standin.held_request_ids = {"r1.m0", "r2"}
+        pool.mark_failed(worker, "did not send the next token within 3.0 s", cause="stall")
+        pool.note_abandoned(worker, "r1.m0")
+        pool.note_abandoned(worker, "r2")
+        pool.note_abandoned(worker, "r3")  # already gone from the worker
+        await asyncio.sleep(0.2)  # past the backoff
+        standin.check_delay_seconds = 0.0
+        await pool.check_all()
+        assert not worker.is_healthy
+        assert "still holds 2 request(s)" in worker.last_error
+        assert sorted(standin.aborted) == ["r1.m0", "r2"]
+        await pool.check_all()  # the Aborts dropped them: the probe succeeds
+        assert worker.is_healthy, worker.last_error
+        await pool.close()
+
+    with serve(standin.register) as address:
+        asyncio.run(scenario(address))
+
+
 def test_policies_name_a_bad_value():
     with pytest.raises(ValueError, match="HealthPolicy.check_timeout_seconds=0"):
         HealthPolicy(check_timeout_seconds=0)
