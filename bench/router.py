@@ -45,7 +45,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.bench.router_fakes import corpus_text, serve_fake_worker
+from tandem.bench.router_fakes import start_fake_worker
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 # Never in the corpus text, but their first characters are: the scan keeps holding back text.
@@ -270,19 +270,9 @@ def _wait_serving(address: str, process: subprocess.Popen) -> None:
 
 
 def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]:
-    from transformers import AutoTokenizer
-
     model = args.model or str(_default_model())
-    token_ids = AutoTokenizer.from_pretrained(model).encode(corpus_text(),
-                                                            add_special_tokens=False)
-    context = multiprocessing.get_context("spawn")
     worker_port, router_port = _free_port(), _free_port()
-    worker, worker_end = context.Pipe()
-    worker_process = context.Process(target=serve_fake_worker, daemon=True, args=(
-        worker_port, token_ids, 0.0, Path(model).name, worker_end))
-    worker_process.start()
-    if worker.recv() != "started":
-        raise RuntimeError("the fake worker did not start")
+    worker_process, worker = start_fake_worker(model, worker_port, 0.0)
     router_address = f"127.0.0.1:{router_port}"
     token_file = tempfile.NamedTemporaryFile("w", prefix="tandem-bench-token-", delete=False)
     token_file.write(secrets.token_hex(16))

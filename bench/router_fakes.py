@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -168,3 +169,23 @@ def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, mode
         await server.stop(0)
 
     asyncio.run(main())
+
+
+def start_fake_worker(model: str, port: int, step_seconds: float):
+    """A fake worker streaming `model`'s tokenization of the corpus, in a spawned process on
+    127.0.0.1:`port`; returns (process, its command connection) once it serves."""
+    import multiprocessing
+
+    from transformers import AutoTokenizer
+
+    token_ids = AutoTokenizer.from_pretrained(model).encode(corpus_text(),
+                                                            add_special_tokens=False)
+    context = multiprocessing.get_context("spawn")
+    commands, worker_end = context.Pipe()
+    process = context.Process(target=serve_fake_worker, daemon=True, args=(
+        port, token_ids, step_seconds, Path(model).name, worker_end))
+    process.start()
+    if commands.recv() != "started":
+        raise RuntimeError("the fake worker did not start")
+    return process, commands
+

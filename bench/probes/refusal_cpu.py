@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,14 +19,13 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 
 from tandem.bench.overload import seeded_prompts
 from tandem.bench.router import _default_model, _free_port, _wait_serving, cpu_seconds
-from tandem.bench.router_fakes import corpus_text, serve_fake_worker
+from tandem.bench.router_fakes import corpus_text, start_fake_worker
 from tandem.client import AsyncTandemClient
 
 NUM_HELD = 16  # the router's --max-concurrency, filled before the bursts
@@ -69,19 +67,9 @@ def main() -> None:
     p.add_argument("--bursts", type=int, default=5)
     p.add_argument("--burst-size", type=int, default=160)
     args = p.parse_args()
-    from transformers import AutoTokenizer
-
     model = str(_default_model())
-    token_ids = AutoTokenizer.from_pretrained(model).encode(corpus_text(),
-                                                            add_special_tokens=False)
-    context = multiprocessing.get_context("spawn")
     worker_port, router_port = _free_port(), _free_port()
-    worker, worker_end = context.Pipe()
-    worker_process = context.Process(target=serve_fake_worker, daemon=True, args=(
-        worker_port, token_ids, 0.5, Path(model).name, worker_end))
-    worker_process.start()
-    if worker.recv() != "started":
-        raise RuntimeError("the fake worker did not start")
+    worker_process, worker = start_fake_worker(model, worker_port, 0.5)
     token_file = tempfile.NamedTemporaryFile("w", prefix="tandem-probe-token-", delete=False)
     token_file.write("tandem-probe-internal-token")
     token_file.close()

@@ -26,7 +26,6 @@ KVTransferFailed (its blocks may be half written).
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from tandem.common.kv_exports import ConnectorEndpoint, ConnectorExport, KVHandl
 from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
 from tandem.workers.kv.rank_connector import pack_rank_exports
-from tandem.workers.kv.source import KVSource
+from tandem.workers.kv.source import KVSource, lease_for_read
 
 logger = get_logger(__name__)
 
@@ -130,23 +129,11 @@ class KVConnector:
 
     async def _load(self, source, address, peer, handle, block_ids, start_block,
                     timeout) -> int:
-        started = time.monotonic()
-        lease = await source.lease(handle.handle_id, start_block, timeout)
-        src_ids = list(lease.block_ids)
-        if len(src_ids) != len(block_ids):
-            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
-                             f"blocks from block {start_block}, receiver expected "
-                             f"{len(block_ids)}")
-        # Load only while the lease lasts: past it the source may reuse the blocks.
-        budget = lease.lease_seconds - (time.monotonic() - started)
-        if timeout is not None:
-            budget = min(budget, timeout - (time.monotonic() - started))
-        await self._ranks.load(peer.slot, src_ids, list(block_ids), budget,
+        leased = await lease_for_read(source, handle, block_ids, start_block, timeout)
+        src_ids = leased.src_ids
+        await self._ranks.load(peer.slot, src_ids, list(block_ids), leased.budget_seconds,
                                f"{self.name} load of {len(src_ids)} blocks")
-        if time.monotonic() - started >= lease.lease_seconds:
-            raise ValueError(f"KV handle {handle.handle_id}: the {self.name} load from "
-                             f"{address} outlasted the {lease.lease_seconds:.0f} s lease; the "
-                             f"blocks may have been reused")
+        leased.check_outlasted(handle, f"the {self.name} load from {address}")
         return len(src_ids) * self.layout.num_layers * self.layout.bytes_per_layer_block \
             * self._ranks.tp_size
 

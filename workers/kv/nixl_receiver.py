@@ -20,7 +20,6 @@ the handle after pull returned. A READ that fails or times out raises KVTransfer
 from __future__ import annotations
 
 import asyncio
-import time
 
 from tandem.common.kv_exports import KVHandle, NixlAgentExport, to_bytes
 from tandem.common.kv_layout import KVLayout
@@ -29,7 +28,7 @@ from tandem.workers.kv import transport
 from tandem.workers.kv.nixl_backend import NixlKVAgent, NixlPeer, NixlUnavailable
 from tandem.workers.kv.nixl_ranks import merge_rank_exports
 from tandem.workers.kv.rank_connector import pack_rank_exports
-from tandem.workers.kv.source import KVSource
+from tandem.workers.kv.source import KVSource, lease_for_read
 
 logger = get_logger(__name__)
 
@@ -174,20 +173,8 @@ class NixlReceiver:
 
     async def _read(self, source, address, peer, handle, block_ids, start_block,
                     timeout) -> int:
-        started = time.monotonic()
-        lease = await source.lease(handle.handle_id, start_block, timeout)
-        src_ids = list(lease.block_ids)
-        if len(src_ids) != len(block_ids):
-            raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
-                             f"blocks from block {start_block}, receiver expected "
-                             f"{len(block_ids)}")
-        # Read only while the lease lasts: past it the source may reuse the blocks.
-        budget = lease.lease_seconds - (time.monotonic() - started)
-        if timeout is not None:
-            budget = min(budget, timeout - (time.monotonic() - started))
-        num_bytes = await self.reads.read(peer, src_ids, list(block_ids), budget)
-        if time.monotonic() - started >= lease.lease_seconds:
-            raise ValueError(f"KV handle {handle.handle_id}: the NIXL READ from {address} "
-                             f"outlasted the {lease.lease_seconds:.0f} s lease; the blocks may "
-                             f"have been reused")
+        leased = await lease_for_read(source, handle, block_ids, start_block, timeout)
+        num_bytes = await self.reads.read(peer, leased.src_ids, list(block_ids),
+                                          leased.budget_seconds)
+        leased.check_outlasted(handle, f"the NIXL READ from {address}")
         return num_bytes

@@ -6,6 +6,8 @@ gRPC stubs and protobuf.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.common.kv_exports import (ConnectorExport, CudaIpcExport, KVHandle, KVLease,
@@ -29,3 +31,36 @@ class KVSource(Protocol):
     async def pull_blocks(self, handle: KVHandle, blocks: KVBlockAccess, block_ids: list[int],
                           start_block: int, timeout: float | None) -> int:
         """grpc: streams the handle's blocks from start_block on into block_ids; the bytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedRead:
+    """Source blocks leased for one read into local blocks, and how long the read may take."""
+    src_ids: list[int]
+    budget_seconds: float  # the lease's time left, capped by the caller's timeout
+    lease_seconds: float
+    started: float  # time.monotonic() before the lease call
+
+    def check_outlasted(self, handle: KVHandle, what: str) -> None:
+        """ValueError when the read finished past the lease (the source may reuse blocks)."""
+        if time.monotonic() - self.started >= self.lease_seconds:
+            raise ValueError(f"KV handle {handle.handle_id}: {what} outlasted the "
+                             f"{self.lease_seconds:.0f} s lease; the blocks may have been reused")
+
+
+async def lease_for_read(source: KVSource, handle: KVHandle, block_ids: list[int],
+                         start_block: int, timeout: float | None) -> LeasedRead:
+    """Renews the handle's pin and checks that the source leases as many blocks, from
+    start_block on, as the receiver reads into; reads go only while the lease lasts."""
+    started = time.monotonic()
+    lease = await source.lease(handle.handle_id, start_block, timeout)
+    src_ids = list(lease.block_ids)
+    if len(src_ids) != len(block_ids):
+        raise ValueError(f"KV handle {handle.handle_id}: source leased {len(src_ids)} "
+                         f"blocks from block {start_block}, receiver expected "
+                         f"{len(block_ids)}")
+    budget = lease.lease_seconds - (time.monotonic() - started)
+    if timeout is not None:
+        budget = min(budget, timeout - (time.monotonic() - started))
+    return LeasedRead(src_ids, budget, lease.lease_seconds, started)
+
