@@ -247,10 +247,12 @@ class WorkerPool:
                 if not worker.abandoned_request_ids:
                     self._record_success(worker)
                     return
-                worker.last_error = (f"still holds {len(worker.abandoned_request_ids)} request(s) "
-                                     "the router gave up on; aborting them again")
-                logger.info("%s worker %s stays out of the pool: %s", worker.role,
-                            worker.address, worker.last_error)
+                reason = (f"still holds {len(worker.abandoned_request_ids)} request(s) the "
+                          "router gave up on; aborting them again")
+                if reason != worker.last_error:  # once per change, not on every probe
+                    logger.info("%s worker %s stays out of the pool: %s", worker.role,
+                                worker.address, reason)
+                worker.last_error = reason
                 await self._abort_abandoned(worker, timeout)
                 return
         except grpc.aio.AioRpcError as exc:
