@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["is_running", "rss_bytes", "process_cpu_seconds"]
+__all__ = ["child_pids", "is_running", "rss_bytes", "process_cpu_seconds", "tree_cpu_seconds"]
 
 
 def is_running(pid: int) -> bool:
@@ -39,3 +39,25 @@ def process_cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """process_cpu_seconds of `pid` and, recursively, its live children (0 when gone)."""
+    return (process_cpu_seconds(pid) or 0.0) + sum(tree_cpu_seconds(child)
+                                                   for child in child_pids(pid))
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of `pid`'s live children, over all its threads ([] when it is gone)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    children = []
+    for task in tasks:
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            pass
+    return children
+

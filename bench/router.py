@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.bench.proc_stats import tree_cpu_seconds
 from tandem.bench.router_fakes import start_fake_worker
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
@@ -105,37 +106,6 @@ def format_table(capacity: list[PhaseResult], paced: list[PhaseResult]) -> str:
             f"{full.router_cpu_seconds / full.seconds:.2f} | {full.tokens_per_chunk:.1f} | "
             f"{full.num_errors + slow.num_errors} |")
     return "\n".join(lines)
-
-
-# -- CPU time from /proc ------------------------------------------------------------------
-
-_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and, recursively, its live children."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    total = (int(fields[11]) + int(fields[12])) / _TICKS_PER_SECOND  # utime, stime
-    for child in _children(pid):
-        total += cpu_seconds(child)
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return []
-    for task in tasks:
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return children
 
 
 # -- client processes ---------------------------------------------------------------------
@@ -220,11 +190,11 @@ def measure_phase(router_address: str, router_pid: int, worker, worker_pid: int,
         process.start()
         clients.append((process, receiver))
     time.sleep(max(0.0, start_at - time.monotonic()))
-    cpu_before = [cpu_seconds(router_pid), sum(cpu_seconds(p.pid) for p, _ in clients),
-                  cpu_seconds(worker_pid)]
+    cpu_before = [tree_cpu_seconds(router_pid),
+                  sum(tree_cpu_seconds(p.pid) for p, _ in clients), tree_cpu_seconds(worker_pid)]
     time.sleep(max(0.0, stop_at - time.monotonic()))
-    cpu_after = [cpu_seconds(router_pid), sum(cpu_seconds(p.pid) for p, _ in clients),
-                 cpu_seconds(worker_pid)]
+    cpu_after = [tree_cpu_seconds(router_pid),
+                 sum(tree_cpu_seconds(p.pid) for p, _ in clients), tree_cpu_seconds(worker_pid)]
     received, num_errors, num_done = {}, 0, 0
     for process, receiver in clients:
         client_received, client_errors, client_done = receiver.recv()

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.bench.proc_stats import is_running, rss_bytes
+from tandem.bench.proc_stats import child_pids, is_running, rss_bytes
 from tandem.common.security import INTERNAL_TOKEN_KEY
 from tandem.stack import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -58,16 +58,6 @@ def is_serving(address: str, timeout: float = 1.0) -> bool:
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            pass
-    return found
 
 
 def _argv(pid: int) -> list[str]:
@@ -117,7 +107,7 @@ class UpStack:
             raise RuntimeError("tandem up did not start; its log:\n"
                                + (self.log_dir / "up.log").read_text()[-3000:])
         by_port = {}
-        for pid in _children(self.up.pid):
+        for pid in child_pids(self.up.pid):
             argv = _argv(pid)
             if "--port" in argv:
                 by_port[argv[argv.index("--port") + 1]] = (pid, argv)

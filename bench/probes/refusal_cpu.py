@@ -24,7 +24,8 @@ import grpc
 import numpy as np
 
 from tandem.bench.overload import seeded_prompts
-from tandem.bench.router import _default_model, _free_port, _wait_serving, cpu_seconds
+from tandem.bench.proc_stats import tree_cpu_seconds
+from tandem.bench.router import _default_model, _free_port, _wait_serving
 from tandem.bench.router_fakes import corpus_text, start_fake_worker
 from tandem.client import AsyncTandemClient
 
@@ -93,9 +94,9 @@ def main() -> None:
                 prompts = (seeded_prompts(args.burst_size, 32, 49152, index)
                            if kind == "token_ids" else
                            [text[i * 37:i * 37 + 2000] for i in range(args.burst_size)])
-                started_cpu = cpu_seconds(router.pid)
+                started_cpu = tree_cpu_seconds(router.pid)
                 times += asyncio.run(refusal_times_ms(address, prompts))
-                cpu += cpu_seconds(router.pid) - started_cpu
+                cpu += tree_cpu_seconds(router.pid) - started_cpu
             print(f"{kind}: {len(times)} refused; router CPU {cpu / len(times) * 1000:.3f} ms "
                   f"per refusal; refusal ms p50 {np.percentile(times, 50):.1f} "
                   f"p99 {np.percentile(times, 99):.1f}; load {os.getloadavg()[0]:.1f}",
