@@ -7,8 +7,7 @@ prefill worker's first token, a worker the request migrated from), so a request 
 elsewhere is constrained exactly as if one engine had run it.
 
 Per step, `GrammarMasker.apply_` fills one bitmask row per constrained sequence (llguidance,
-in parallel over its threads) and sets every disallowed logit to -inf with one tensor op on
-the logits' device. Steps with no constrained sequence do no mask work at all.
+in parallel over its threads) and sets every disallowed logit to -inf on the logits' device.
 """
 from __future__ import annotations
 
@@ -72,64 +71,141 @@ class RequestGrammar:
 
 
 class GrammarMasker:
-    """Masks the logits of constrained rows. One per sampler; not thread-safe."""
+    """Masks the logits of constrained rows. One per sampler; not thread-safe.
+
+    A step's mask work, in order (`apply_` runs all three; the host bench times each):
+      fill      one bitmask row per constrained sequence, computed by llguidance's threads
+                (without the GIL) into a host buffer kept across steps: [B, W] int32 words,
+                bit b of word w set when token 32w + b is allowed. Pinned when the logits live
+                on a GPU, so the copy below is asynchronous.
+      to_device one copy of the [B, W] words into a buffer on the logits' device (on CPU the
+                host words themselves).
+      mask_     every disallowed logit set to -inf: on a GPU one AND against the 32 bit values,
+                one compare and one masked fill over [B, W, 32]; on CPU numpy unpacks the
+                inverted words (the disallowed tokens) and torch fills them.
+    Steps with no constrained sequence do no mask work at all.
+    """
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
         self._executor = None  # llguidance.LLExecutor, made on the first constrained step
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._host_words: torch.Tensor | None = None  # [max B, W] int32, reused every step
+        self._host_device: torch.device | None = None  # the device _host_words was made for
+        self._device_words: torch.Tensor | None = None  # [max B, W] int32 on a GPU
+        # Recorded after each copy out of the pinned host words; the next fill waits on it
+        # before writing them (the copy is asynchronous).
+        self._copied: torch.cuda.Event | None = None
+        self._bit_values: dict[torch.device, torch.Tensor] = {}  # [32] int32: 1 << b
 
     def apply_(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """logits: [B, V] fp32, modified in place; row i is seqs[i]'s, constrained when its
         `grammar` is set."""
+        words = self.fill(seqs, logits.shape[1], logits.device)
+        if words is not None:
+            self.mask_(logits, self.to_device(words, logits.device))
+
+    def fill(self, seqs: list[Sequence], vocab_size: int,
+             device: torch.device) -> torch.Tensor | None:
+        """The step's bitmask, [B, W] int32 on the host (a view of the reused buffer, valid
+        until the next fill); every bit set in unconstrained rows. None when no row is
+        constrained."""
         rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
-            return
+            return None
         from llguidance import LLExecutor
         from llguidance.numpy import fill_next_token_bitmask_par
 
         if self._executor is None:
             self._executor = LLExecutor()
-        vocab_size = logits.shape[1]
-        num_words = -(-vocab_size // BITS_PER_WORD)
-        # [B, W]: every bit set (all allowed) in unconstrained rows, so one in-place fill
-        # covers the whole batch.
-        bitmask = np.full((len(seqs), num_words), -1, dtype=np.int32)
+        words = self._reserve_host_words(len(seqs), -(-vocab_size // BITS_PER_WORD), device)
+        array = words.numpy()
+        if len(rows) < len(seqs):  # rows a grammar left behind in the buffer allow everything
+            array[sorted(set(range(len(seqs))) - set(rows))] = -1
         matchers = []
         for row in rows:
             grammar = seqs[row].grammar
             grammar.start(seqs[row])
             matchers.append((grammar.matcher, row))
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        self._allow_eos_in_dead_rows(bitmask, vocab_size)
-        logits.masked_fill_(~self._allowed(bitmask, logits.device, vocab_size), -torch.inf)
+        fill_next_token_bitmask_par(self._executor, matchers, array)
+        self._allow_eos_in_dead_rows(array, vocab_size)
+        return words
 
-    def _allow_eos_in_dead_rows(self, bitmask: np.ndarray, vocab_size: int) -> None:
+    def to_device(self, words: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """words (from `fill`) on device: one asynchronous copy from pinned memory into a
+        buffer kept there. On CPU, words itself."""
+        if device.type != "cuda":
+            return words
+        if self._device_words is None or self._device_words.device != device \
+                or self._device_words.shape[0] < words.shape[0] \
+                or self._device_words.shape[1] != words.shape[1]:
+            self._device_words = torch.empty(self._host_words.shape, dtype=torch.int32,
+                                             device=device)
+        on_device = self._device_words[:words.shape[0]]
+        on_device.copy_(words, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()
+        return on_device
+
+    def mask_(self, logits: torch.Tensor, words: torch.Tensor) -> None:
+        """Sets logits [B, V] to -inf where words [B, W] (on the logits' device) clear the
+        token's bit."""
+        if words.device.type == "cpu":
+            mask_with_numpy_(logits, words)
+            return
+        bits = self._bit_values.get(words.device)
+        if bits is None:
+            bits = self._bit_values[words.device] = bit_values(words.device)
+        mask_with_tensor_ops_(logits, words, bits)
+
+    def _reserve_host_words(self, num_rows: int, num_words: int,
+                            device: torch.device) -> torch.Tensor:
+        """[num_rows, num_words] of the reused host buffer, pinned for a GPU's logits, once
+        the previous copy out of it has finished."""
+        pinned = device.type == "cuda"
+        buffer = self._host_words
+        if buffer is None or buffer.shape[0] < num_rows or buffer.shape[1] != num_words \
+                or self._host_device != device:
+            if self._copied is not None:
+                self._copied.synchronize()  # the old buffer may still be read by a copy
+            capacity = max(num_rows, 0 if buffer is None else buffer.shape[0])
+            buffer = torch.empty((capacity, num_words), dtype=torch.int32, pin_memory=pinned)
+            self._host_words, self._host_device = buffer, device
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return buffer[:num_rows]
+
+    def _allow_eos_in_dead_rows(self, array: np.ndarray, vocab_size: int) -> None:
         """A matcher in error allows nothing; let it end the request instead of sampling from
-        an all -inf row."""
-        dead = ~bitmask.any(axis=1)
-        words = bitmask.view(np.uint32)
+        an all -inf row. (Unconstrained rows allow everything, so only grammars' rows can be
+        dead.)"""
+        dead = np.flatnonzero(~array.any(axis=1))
+        if not len(dead):
+            return
+        words = array.view(np.uint32)
         for token in self.eos_token_ids:
             if token < vocab_size:
                 words[dead, token // BITS_PER_WORD] |= np.uint32(1 << (token % BITS_PER_WORD))
 
-    def _allowed(self, bitmask: np.ndarray, device: torch.device,
-                 vocab_size: int) -> torch.Tensor:
-        """[B, W] int32 words (bit b of word w: token 32w + b) -> [B, V] bool on device. On
-        CPU numpy unpacks the bits; on a GPU the words (V/8 bytes a row) cross and unpack
-        there."""
-        if device.type == "cpu":
-            bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size,
-                                 bitorder="little")  # [B, V] uint8
-            return torch.from_numpy(bits.view(np.bool_))
-        return self._unpack_on_device(bitmask, device, vocab_size)
 
-    def _unpack_on_device(self, bitmask: np.ndarray, device: torch.device,
-                          vocab_size: int) -> torch.Tensor:
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(BITS_PER_WORD, dtype=torch.int32,
-                                                         device=device)
-        words = torch.from_numpy(bitmask).to(device, non_blocking=True)
-        bits = (words[:, :, None] >> shifts) & 1  # [B, W, 32]
-        return bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+def mask_with_numpy_(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """CPU: numpy unpacks the inverted words into [B, V] disallowed flags; one masked fill."""
+    disallowed = np.unpackbits((~words.numpy()).view(np.uint8), axis=1, count=logits.shape[1],
+                               bitorder="little")  # [B, V] uint8
+    logits.masked_fill_(torch.from_numpy(disallowed.view(np.bool_)), -torch.inf)
+
+
+def mask_with_tensor_ops_(logits: torch.Tensor, words: torch.Tensor,
+                          bits: torch.Tensor) -> None:
+    """Any device, three tensor ops: words [B, W] AND bits [32] -> [B, W, 32], compared with
+    zero (disallowed), then one masked fill of the first V of each row's 32W flags."""
+    num_rows, vocab_size = logits.shape
+    disallowed = (words[:, :, None] & bits) == 0  # [B, W, 32] bool
+    logits.masked_fill_(disallowed.view(num_rows, -1)[:, :vocab_size], -torch.inf)
+
+
+def bit_values(device: torch.device) -> torch.Tensor:
+    """[32] int32, entry b = 1 << b (entry 31 is the sign bit)."""
+    values = [1 << b for b in range(BITS_PER_WORD)]
+    values[-1] -= 1 << BITS_PER_WORD  # as a two's-complement int32
+    return torch.tensor(values, dtype=torch.int32, device=device)

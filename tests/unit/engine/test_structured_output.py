@@ -18,7 +18,8 @@ from test_disaggregation import run_to_completion, transfer
 from tandem import LLM, SamplingParams
 from tandem.common.structured_output import StructuredOutput, grammar_error
 from tandem.workers.engine.grammar_cache import GrammarCompiler
-from tandem.workers.engine.grammar_mask import GrammarMasker, RequestGrammar
+from tandem.workers.engine.grammar_mask import (GrammarMasker, RequestGrammar, bit_values,
+                                                mask_with_numpy_, mask_with_tensor_ops_)
 from tandem.workers.engine.sampler import Sampler
 from tandem.workers.engine.sequence import Sequence
 
@@ -246,17 +247,50 @@ def test_prefill_there_decode_here_gives_one_engines_tokens(checkpoint, llm):
             assert seq.finish_reason.value == "stop"
 
 
-def test_the_gpu_unpacking_matches_the_cpu_one():
-    """The tensor-op unpacking a GPU runs, run here on CPU against numpy's."""
-    masker = GrammarMasker((EOS,))
+def test_both_mask_paths_match_llguidances_reference():
+    """The numpy path (CPU logits) and the tensor-op path a GPU runs (run here on CPU) set
+    exactly the logits llguidance's own numpy reference sets to -inf, and no others."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
     rng = np.random.default_rng(0)
-    bitmask = rng.integers(-2**31, 2**31, size=(5, -(-VOCAB // 32)), dtype=np.int64) \
+    words = rng.integers(-2**31, 2**31, size=(5, -(-VOCAB // 32)), dtype=np.int64) \
         .astype(np.int32)
-    cpu = masker._allowed(bitmask, torch.device("cpu"), VOCAB)
-    tensor_ops = masker._unpack_on_device(bitmask, torch.device("cpu"), VOCAB)
-    assert cpu.shape == (5, VOCAB) and torch.equal(cpu, tensor_ops)
+    words[1] = 0  # nothing allowed
+    words[2] = -1  # everything allowed
+    logits = torch.randn(5, VOCAB)
+    expected = logits.numpy().copy()
+    apply_token_bitmask_inplace(expected, words.copy())
+    by_numpy, by_tensor_ops = logits.clone(), logits.clone()
+    mask_with_numpy_(by_numpy, torch.from_numpy(words.copy()))
+    mask_with_tensor_ops_(by_tensor_ops, torch.from_numpy(words.copy()),
+                          bit_values(torch.device("cpu")))
+    assert torch.equal(by_numpy, torch.from_numpy(expected))
+    assert torch.equal(by_tensor_ops, torch.from_numpy(expected))
     token = 37
-    assert bool(cpu[0, token]) == bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
+    assert bool(torch.isneginf(by_numpy[0, token])) != bool(
+        (int(words[0, token // 32]) >> (token % 32)) & 1)
+
+
+def test_the_reused_bitmask_forgets_rows_that_are_no_longer_constrained(compiler):
+    """The host bitmask is kept across steps: a row constrained in one step and
+    unconstrained (or another request's) in the next is untouched by the earlier mask, and a
+    batch larger than any before grows it."""
+    masker = GrammarMasker((EOS,))
+    logits = torch.randn(4, VOCAB)
+    constrained = [constrained_seq(compiler, CHOICE_SPEC, SamplingParams()) for _ in range(2)]
+    free = [Sequence([1, 2, 3], SamplingParams()) for _ in range(4)]
+    first = logits[:2].clone()
+    masker.apply_(first, constrained)
+    assert torch.isneginf(first).any(dim=1).all()
+    second = logits.clone()
+    masker.apply_(second, [free[0], constrained[0], free[1], free[2]])
+    assert torch.equal(second[[0, 2, 3]], logits[[0, 2, 3]])
+    assert torch.equal(torch.isneginf(second[1]), torch.isneginf(first[0]))
+    third = torch.randn(6, VOCAB)
+    masked = third.clone()
+    masker.apply_(masked, [*free, *constrained])
+    assert torch.equal(masked[:4], third[:4])
+    assert torch.equal(torch.isneginf(masked[4:]), torch.isneginf(first))
 
 
 def test_reserve_retries_waiting_for_blocks_count_the_request_once(checkpoint):
