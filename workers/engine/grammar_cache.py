@@ -26,6 +26,12 @@ from tandem.common.structured_output import StructuredOutput
 logger = get_logger(__name__)
 DEFAULT_MAX_CACHED = 256
 DEFAULT_NUM_THREADS = 2
+# Runs of JSON string characters, at most n long. llguidance computes a mask by walking the
+# vocabulary's token trie, except for "slices": token subsets it takes whole when the lexer's
+# state allows every string a slice matches. Its general slices cover runs of up to 10 and 30
+# characters; these shorter ones also cover a string with only a few characters left before
+# its maxLength, which otherwise walks the whole trie. The masks are the same either way.
+SHORT_STRING_SLICES = tuple(r'[^"\\\x00-\x1F\x7F]{1,%d}' % n for n in (2, 4, 6, 8))
 
 
 class GrammarCompiler:
@@ -109,5 +115,6 @@ class GrammarCompiler:
             raise ValueError(f"structured output: the tokenizer in {self.model_path} has "
                              f"{len(hf_tokenizer)} tokens, more than the model's vocab_size "
                              f"{self.vocab_size}")
+        slices = llguidance.LLTokenizer.general_slices() + list(SHORT_STRING_SLICES)
         return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=self.vocab_size,
-                                            eos_token=self.eos_token_ids or None)
+                                            eos_token=self.eos_token_ids or None, slices=slices)

@@ -321,3 +321,39 @@ def test_a_request_waiting_for_its_grammar_can_be_aborted_or_expire(llm, monkeyp
     assert expired.is_finished and not engine.awaiting_grammar and not engine.requests
     assert not engine.has_unfinished
     gate.set_exception(ValueError("never needed"))
+
+
+@pytest.mark.slow
+def test_the_extra_slices_give_llguidances_default_masks(tmp_path):
+    """The compiler's tokenizer carries extra slices (short string runs); with the real Llama 3
+    tokenizer, its masks equal those of llguidance's default slices at every token of a
+    document whose strings run up to their maxLength."""
+    import llguidance.hf
+    from helpers.real_tokenizers import unpack_tokenizer
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    unpack_tokenizer("deepseek-r1-distill-llama-8b", tmp_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    vocab_size = 128_256
+    schema = {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "maxLength": 5},
+        "note": {"type": "string"}}, "required": ["name", "city", "note"],
+        "additionalProperties": False}}
+    document = [{"name": "gasket 12", "city": "Turin", "note": "ships on Monday"},
+                {"name": "pulley wheel", "city": "Oslo", "note": "x"},
+                {"name": "a", "city": "Rome", "note": "two short words, then a longer one"}]
+    tokens = hf_tokenizer.encode(json.dumps(document, separators=(",", ":")),
+                                 add_special_tokens=False)
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    compiler = GrammarCompiler(tmp_path, vocab_size, [hf_tokenizer.eos_token_id])
+    try:
+        ours = compiler.compile(spec).result().deep_copy()
+    finally:
+        compiler.shutdown()
+    default = LLMatcher(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size),
+                        spec.grammar_text(), log_level=0)
+    for token in tokens:
+        assert ours.compute_bitmask() == default.compute_bitmask()
+        assert ours.consume_token(token) and default.consume_token(token)
+    assert ours.is_accepting()
