@@ -46,7 +46,8 @@ def build_engine(model_dir: Path, args: argparse.Namespace):
         model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
         max_model_len=max_len, max_num_seqs=max(args.batches),
         max_num_batched_tokens=max(args.prefill, default=2048),
-        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+        async_scheduling=getattr(args, "async_scheduling", None))
     return LLMEngine(config, build_executor(config))
 
 
