@@ -393,12 +393,14 @@ class LLMEngine:
 
     def _can_launch_ahead(self) -> bool:
         """Whether the next step can be queued before the in-flight one's tokens are read: it
-        is a decode step of the running sequences (nothing waits for a prefill), it needs no
-        preemption (each sequence may need one more block), and every row samples on the
-        device."""
-        running = self.scheduler.running
-        if self.scheduler.waiting or not running \
-                or self.block_manager.num_free_blocks < len(running):
+        is a decode step of the running sequences (no waiting request can be admitted now, so
+        the scheduler schedules no prefill), it needs no preemption (each sequence may need one
+        more block), and every row samples on the device."""
+        scheduler, running = self.scheduler, self.scheduler.running
+        if not running or self.block_manager.num_free_blocks < len(running):
+            return False
+        if scheduler.waiting and len(running) < scheduler.max_num_seqs \
+                and self.block_manager.can_allocate(scheduler.waiting[0]):
             return False
         return all(seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
                    and self._samples_on_device(seq) for seq in running)

@@ -96,6 +96,18 @@ def test_greedy_batch_runs_ahead_every_decode_step(engines):
     assert len(returned) == 14 and returned.count(False) == 1
 
 
+def test_decode_runs_ahead_while_requests_wait_for_a_free_slot(engines):
+    sync, asynchronous = engines  # max_num_seqs=6: the last 4 of 10 wait
+    prompts = random_prompts([6] * 10, seed=12)
+    requests = {f"w{i}": (p, SamplingParams(temperature=0, max_tokens=8 + i), 0)
+                for i, p in enumerate(prompts)}
+    waiting_ahead = []
+    got = run(asynchronous, requests, on_step=lambda e, _: waiting_ahead.append(
+        e._in_flight is not None and bool(e.scheduler.waiting)))
+    assert got == run(sync, requests)
+    assert any(waiting_ahead), "no step was queued ahead while requests waited"
+
+
 def test_preemption_and_a_small_cache_give_the_same_tokens(checkpoint):
     path = checkpoint("llama").path
     common = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=9, block_size=16,
