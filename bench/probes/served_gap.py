@@ -27,12 +27,16 @@ CONTEXT = 1024
 
 
 def _engine(model_dir: Path, tokens: int):
+    import torch
+
     from tandem.workers.engine.config import EngineConfig
     from tandem.workers.engine.engine import LLMEngine
     from tandem.workers.executor.executor import build_executor
 
-    config = EngineConfig(model=str(model_dir), dtype="bfloat16", load_format="dummy",
-                          max_model_len=CONTEXT + tokens + 64, max_num_seqs=8)
+    on_gpu = torch.cuda.is_available()
+    config = EngineConfig(model=str(model_dir), dtype="bfloat16" if on_gpu else "float32",
+                          load_format="dummy", max_model_len=CONTEXT + tokens + 64,
+                          max_num_seqs=8)
     return LLMEngine(config, build_executor(config))
 
 
@@ -83,7 +87,10 @@ def measure_in_process(model_dir: Path, tokens: int) -> dict:
             await runner.stop()
 
     results["async_engine_ms"] = asyncio.run(streamed("async", None)) * 1e3
-    recorder = WorkerMetricsRecorder(engine, WorkerMetrics())
+    from prometheus_client import CollectorRegistry
+
+    recorder = WorkerMetricsRecorder(engine, WorkerMetrics(str(model_dir), "both",
+                                                           CollectorRegistry()))
     results["async_engine_metrics_ms"] = asyncio.run(
         streamed("metrics", recorder.after_step)) * 1e3
     engine.shutdown()
