@@ -69,6 +69,32 @@ def measure_in_process(model_dir: Path, tokens: int) -> dict:
 
     engine_loop("warm-up")
     results["engine_ms"] = engine_loop("engine") * 1e3
+    # The same loop again, split into the host's own time and its wait for the device, and
+    # profiled per function (printed to stderr).
+    import cProfile
+    import pstats
+
+    from tandem.workers.executor import executor as executor_module
+
+    waited = []
+    original = executor_module.LaunchedStep.token_ids
+
+    def timed_token_ids(self):
+        started = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            waited.append(time.perf_counter() - started)
+
+    executor_module.LaunchedStep.token_ids = timed_token_ids
+    profile = cProfile.Profile()
+    profile.enable()
+    per_token = engine_loop("profiled")
+    profile.disable()
+    executor_module.LaunchedStep.token_ids = original
+    results["engine_profiled_ms"] = per_token * 1e3
+    results["engine_device_wait_ms"] = sum(waited[2:]) / max(1, len(waited) - 2) * 1e3
+    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
     async def streamed(request_id: str, on_step) -> float:
         runner = AsyncEngine(engine, on_step=on_step)
@@ -111,10 +137,10 @@ def measure_served(model_dir: Path, tokens: int, log_dir: Path, up_args: list[st
         run_benchmark(BenchmarkConfig(**common, num_requests=2, seed=1))  # warm-up
 
         def step_histogram() -> tuple[float, float]:
-            samples = stack.samples(stack.workers[0], "tandem:engine_step_seconds")
-            total = sum(s.value for s in samples if s.name.endswith("_sum"))
-            count = sum(s.value for s in samples if s.name.endswith("_count"))
-            return total, count
+            name = "tandem:engine_step_seconds"
+            return tuple(sum(sample.value for sample in stack.samples(stack.workers[0],
+                                                                       name + suffix))
+                         for suffix in ("_sum", "_count"))
 
         before = step_histogram()
         result = run_benchmark(BenchmarkConfig(**common, num_requests=3, seed=2))
