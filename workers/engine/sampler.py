@@ -122,7 +122,11 @@ class Sampler:
                     rows.append(i)
                     tokens.append(token)
         if rows:
-            logits[_index(rows, logits.device), _index(tokens, logits.device)] = -math.inf
+            # The value is made on the device: a Python scalar would be copied there from
+            # pageable memory, which waits for every queued kernel (host_to_device.py).
+            device = logits.device
+            logits.index_put_((_index(rows, device), _index(tokens, device)),
+                              torch.full((len(rows),), -math.inf, device=device))
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [R, V] fp32, modified in place. Returns the sampled ids, [R] long."""
