@@ -44,7 +44,8 @@ def _log(message: str) -> None:
     print(f"[serve {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int) -> dict:
+def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int,
+                   async_scheduling: bool | None = None) -> dict:
     """Limits, then model step / engine step / floor per batch (bench/engine.py's decode case).
     Run it in_child."""
     from tandem.bench.engine import bench_decode, build_engine
@@ -54,7 +55,7 @@ def measure_engine(model_dir: Path, batches: list[int], context: int, steps: int
     _log(f"limits: {limits.as_dict()}")
     engine = build_engine(model_dir, argparse.Namespace(
         batches=batches, contexts=[context], steps=steps, prefill=[], kernels="aiter-triton",
-        gpu_memory_utilization=0.9))
+        gpu_memory_utilization=0.9, async_scheduling=async_scheduling))
     for cache in engine.runner.kv_caches:
         for tensor in cache:
             tensor.uniform_(-1, 1)  # random KV: never time on zeros
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--up-args", default="",
                         help="extra `tandem up` flags (default: none, the defaults are the point)")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="every phase reads each step's tokens before queueing the next "
+                             "(the engine's default on a GPU is asynchronous scheduling)")
     parser.add_argument("--out", type=Path)
     return parser
 
@@ -221,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             load_flags = ["--load-format", "dummy"]
             engine_args = {"load_format": "dummy"}
             batches = [int(b) for b in args.batches.split(",") if b]
-            engine = in_child(measure_engine, model_dir, batches, args.input_len, args.steps)
+            engine = in_child(measure_engine, model_dir, batches, args.input_len, args.steps,
+                              False if args.no_async_scheduling else None)
+        if args.no_async_scheduling:
+            load_flags.append("--no-async-scheduling")
+            engine_args["async_scheduling"] = False
         served = measure_served(model_dir, args, load_flags + shlex.split(args.up_args), root)
         model_info = served["runs"][args.concurrency].model_info
         offline = in_child(measure_offline, model_dir, model_info, args, engine_args)

@@ -241,7 +241,7 @@ def _event(seq: Sequence, pinned: dict[str, float]) -> TokenEvent:
     is_pinned = seq.status is SequenceStatus.PINNED
     scheduled = seq.first_scheduled_time or seq.arrival_time
     return TokenEvent(
-        token_id=seq.token_ids[-1],
+        token_id=seq.last_known_token_id,
         logprob=seq.logprobs[-1] if seq.sampling_params.logprobs is not None and seq.logprobs
         else None,
         finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,

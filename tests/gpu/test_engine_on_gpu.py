@@ -95,3 +95,33 @@ def test_whole_block_decode_kernel_bf16_tokens_follow_fp32_reference(checkpoint)
     decided = [_assert_greedy_where_decided(ckpt, prompt, out.token_ids)
                for prompt, out in zip(prompts, llm.generate(prompts, GREEDY))]
     assert sum(decided) >= len(decided) * 16, decided
+
+
+def test_asynchronous_scheduling_gives_the_tokens_of_one_step_at_a_time(checkpoint):
+    """With CUDA graphs and a real device queue: queued-ahead decode steps read their input
+    tokens on the device; every sampling mode, rows that force the step-at-a-time path, and
+    requests waiting for a slot give the same tokens either way."""
+    _aiter_or_skip()
+    path = checkpoint("llama").path
+    prompts = random_prompts([5, 17, 33, 2, 40, 9, 21, 12, 64, 3], seed=35)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=36),
+        SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=9, max_tokens=30,
+                       min_tokens=20),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=33),
+        SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=28, repetition_penalty=1.2),
+    ] + [SamplingParams(temperature=0, max_tokens=20 + i, ignore_eos=True) for i in range(3)]
+    outputs = {}
+    for async_scheduling in (False, True):
+        llm = LLM(path, dtype="float32", device="cuda", kernels="aiter-triton", max_num_seqs=4,
+                  async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling is async_scheduling
+        outputs[async_scheduling] = [(o.token_ids, o.finish_reason)
+                                     for o in llm.generate(prompts, params)]
+        manager = llm.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+        llm.shutdown()
+    assert outputs[True] == outputs[False]

@@ -45,6 +45,9 @@ class EngineConfig:
     load_format: str = "auto"
     # GPU decode steps replay CUDA graphs (aiter-triton kernels); True runs every step eagerly.
     enforce_eager: bool = False
+    # Queue decode step N+1 on the device before reading step N's tokens (engine.py). None: on
+    # for a one-rank GPU engine; True also on CPU (nothing to gain there; tests use it).
+    async_scheduling: bool | None = None
     # Ranks (processes) this engine's model is split across; rank 0 runs the engine.
     tensor_parallel_size: int = 1
     # With TP > 1: each rank holds whole experts (E / TP of them) instead of a slice of each.
@@ -70,6 +73,9 @@ class EngineConfig:
                              f"{', '.join(LOAD_FORMATS)}")
         if not self.kv_lease_seconds > 0:
             raise ValueError(f"kv_lease_seconds={self.kv_lease_seconds} must be > 0")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be None, True "
+                             f"or False")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel={self.enable_expert_parallel!r} must be "
                              f"True or False")

@@ -1,14 +1,24 @@
 """The engine a worker runs: requests in, one scheduled model step at a time, tokens out.
 
-Used in-process by the offline `tandem.LLM` and, later, behind the worker's gRPC servicer.
+Used in-process by the offline `tandem.LLM` and behind the worker's gRPC servicer.
 Not thread-safe: one thread drives `step()`.
+
+Asynchronous scheduling (on by default for a one-rank GPU engine): while decode step N runs on
+the device, `step()` schedules and queues step N+1, whose input tokens are step N's samples
+read on the device, and only then waits for step N's tokens and does its host work (stop
+checks, delivery, metrics) while step N+1 runs. The device never waits for the host between
+decode steps. A token in flight is a placeholder in its sequence (sequence.py); stop checks see
+it one step later, so a sequence that stopped at step N also computed step N+1, whose token is
+dropped. Blocks of a sequence that ends while a queued step may still write them are freed
+once that step is done. Steps that need the host in between run as before, one at a time:
+prefill chunks, grammar-constrained, logprob or penalized rows, preemption, tensor parallelism.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +29,11 @@ from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.grammar_cache import GrammarCompiler
 from tandem.workers.engine.grammar_mask import RequestGrammar
-from tandem.workers.engine.sampler import advance_request_generator
-from tandem.workers.engine.scheduler import Scheduler
+from tandem.workers.engine.sampler import Sampler, advance_request_generator
+from tandem.workers.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
-from tandem.workers.executor.executor import Executor
+from tandem.workers.executor.executor import CarriedTokens, Executor, LaunchedStep
 
 logger = get_logger(__name__)
 # The longest a step with only grammar-waiting requests sleeps for a compile to finish.
@@ -40,6 +50,18 @@ class StepStats:
     num_sampled: int
     is_prefill: bool
     seconds: float
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A decode step queued on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # one per row, every one sampled
+    placeholders: list[int]  # per row: the index in seq.token_ids of its in-flight token
+    launched: LaunchedStep
+    rows: dict[int, int]  # seq_id -> row
+    # Sequences that ended while this step was queued: their blocks are freed once it is done.
+    deferred_free: list[Sequence] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -66,9 +88,25 @@ class LLMEngine:
         self.num_expired_leases = 0
         # Requests ended here, by status: a finish reason, "abort", or "pinned" (handed off).
         self.num_finished: Counter[str] = Counter()
-        self.last_step: StepStats | None = None
-        logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens",
-                    self.resolved.max_model_len, self.resolved.num_kv_blocks, config.block_size)
+        self.last_step: StepStats | None = None  # None when the last step() read no tokens
+        self.async_scheduling = self._resolve_async_scheduling(config.async_scheduling)
+        self._in_flight: InFlightStep | None = None
+        logger.info("engine ready: max_model_len=%d, %d KV blocks of %d tokens, asynchronous "
+                    "scheduling %s", self.resolved.max_model_len, self.resolved.num_kv_blocks,
+                    config.block_size, "on" if self.async_scheduling else "off")
+
+    def _resolve_async_scheduling(self, wanted: bool | None) -> bool:
+        """None: on for a one-rank GPU engine (on CPU the host runs the model too, so there is
+        nothing to overlap)."""
+        if wanted is False:
+            return False
+        if not self.executor.supports_async_scheduling:
+            if wanted:
+                logger.warning("asynchronous scheduling needs a one-rank engine; with "
+                               "tensor_parallel_size=%d every step runs synchronously",
+                               self.executor.tp_size)
+            return False
+        return bool(wanted) or self.resolved.device.type == "cuda"
 
     @property
     def runner(self):
@@ -176,7 +214,7 @@ class LLMEngine:
         was_pinned = self.pinned.pop(request_id, None) is not None
         if seq in self.awaiting_grammar:
             self.awaiting_grammar.remove(seq)
-        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._end(seq, FinishReason.ABORT)
         if not was_pinned:  # a pinned request was already counted as handed off
             self.num_finished["abort"] += 1
         return True
@@ -279,17 +317,38 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.awaiting_grammar)
+        return self.scheduler.has_unfinished or bool(self.awaiting_grammar) \
+            or self._in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Run one model step; returns the sequences that got a token (finished ones included)."""
+        """Run one model step; returns the sequences that got a token (finished ones included).
+
+        Under asynchronous scheduling a call may queue a decode step and return before its
+        tokens are known ([]: the next call returns them), and a call that returns a step's
+        tokens may already have queued the next one."""
         started = time.monotonic()
+        self.last_step = None
         if self.resolved.device.type == "cuda":
             # Triton launches on the thread's current device, which is per thread and may be
             # another GPU (a worker's engine thread starts on cuda:0; a test may have moved it).
             torch.cuda.set_device(self.resolved.device)
         self._drop_past_deadline(started)
         self._admit_compiled_grammars()
+        try:
+            return self._step(started)
+        except BaseException:
+            self._abandon_in_flight()
+            raise
+
+    def _step(self, started: float) -> list[Sequence]:
+        previous = self._in_flight
+        if previous is not None:
+            self._in_flight = None
+            if self._can_launch_ahead():
+                batch = self.scheduler.schedule()
+                assert not batch.is_prefill and not batch.preempted, "checked: decode only"
+                self._in_flight = self._launch(batch, previous)
+            return self._complete(previous, started)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
@@ -299,6 +358,14 @@ class LLMEngine:
                                         MAX_GRAMMAR_WAIT_SECONDS,
                                         concurrent.futures.FIRST_COMPLETED)
             return []
+        if self.async_scheduling and not batch.is_prefill \
+                and all(self._samples_on_device(item.seq) for item in batch.scheduled):
+            self._in_flight = self._launch(batch, None)
+            return []
+        return self._run(batch, started)
+
+    def _run(self, batch: SchedulerOutput, started: float) -> list[Sequence]:
+        """One step, synchronously: run it, then read and handle its tokens."""
         output = self.executor.execute(batch)
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         for item in batch.scheduled:
@@ -315,22 +382,114 @@ class LLMEngine:
             seq.append_token(token_id)
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            if seq.grammar is not None and seq.grammar.accept(token_id):
-                reason = FinishReason.STOP  # the output is complete
-            else:
-                reason = check_stop(seq, self.resolved.eos_token_ids,
-                                    self.resolved.max_model_len)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
-                self.num_finished[reason.value] += 1
-            elif seq.pin_after_prefill:
-                self.scheduler.pin(seq)
-                self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
-                self.num_finished["pinned"] += 1
+            self._handle_token(seq, token_id, now)
         return sampled
+
+    # -- asynchronous scheduling -------------------------------------------------------------
+
+    def _samples_on_device(self, seq: Sequence) -> bool:
+        """Whether the sequence's next token may be sampled without the host in between."""
+        return Sampler.samples_on_device(seq) and not seq.pin_after_prefill
+
+    def _can_launch_ahead(self) -> bool:
+        """Whether the next step can be queued before the in-flight one's tokens are read: it
+        is a decode step of the running sequences (no waiting request can be admitted now, so
+        the scheduler schedules no prefill), it needs no preemption (each sequence may need one
+        more block), and every row samples on the device."""
+        scheduler, running = self.scheduler, self.scheduler.running
+        if not running or self.block_manager.num_free_blocks < len(running):
+            return False
+        if scheduler.waiting and len(running) < scheduler.max_num_seqs \
+                and self.block_manager.can_allocate(scheduler.waiting[0]):
+            return False
+        return all(seq.num_computed_tokens > 0 and seq.num_uncomputed_tokens == 1
+                   and self._samples_on_device(seq) for seq in running)
+
+    def _launch(self, batch: SchedulerOutput, previous: InFlightStep | None) -> InFlightStep:
+        """Queue a decode step on the device; each sequence gets a placeholder for its token.
+        A sequence whose input token is still in flight (in `previous`) reads it there."""
+        seqs = [item.seq for item in batch.scheduled]
+        carried = None
+        if previous is not None:
+            rows = [row for row, seq in enumerate(seqs) if seq.num_inflight_tokens]
+            if rows:
+                carried = CarriedTokens(previous.launched.sampled, rows,
+                                        [previous.rows[seqs[row].seq_id] for row in rows])
+        launched = self.executor.launch(batch, carried)
+        placeholders = []
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            placeholders.append(seq.append_placeholder())
+        return InFlightStep(seqs, placeholders, launched,
+                            {seq.seq_id: row for row, seq in enumerate(seqs)})
+
+    def _complete(self, step: InFlightStep, started: float) -> list[Sequence]:
+        """Wait for a queued step's tokens and handle them, as `_run` does after its step."""
+        token_ids = step.launched.token_ids()
+        for seq in step.deferred_free:
+            self.block_manager.free(seq)
+        now = time.monotonic()
+        done = []
+        for seq, index, token_id in zip(step.seqs, step.placeholders, token_ids):
+            if seq.is_finished:  # ended while its token was in flight: the token is dropped
+                continue
+            seq.fill_placeholder(index, token_id)
+            # Only now is every computed position's token known (hashes cover token ids).
+            self.block_manager.cache_computed_blocks(seq)
+            self._handle_token(seq, token_id, now)
+            done.append(seq)
+        num_rows = len(step.seqs)
+        self.last_step = StepStats(num_rows, num_rows, 0, num_rows, False, now - started)
+        return done
+
+    def wait_in_flight(self) -> list[Sequence]:
+        """Read and handle the queued step's tokens, if a step is queued, without queueing
+        another: afterwards no token is in flight (a benchmark then times one step alone)."""
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._complete(step, time.monotonic())
+
+    def _abandon_in_flight(self) -> None:
+        """After a failed step: wait for the queued step, if any, and free what it deferred.
+        Its sequences keep their placeholders until they are ended (the caller aborts them)."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        try:
+            step.launched.token_ids()
+        except Exception:  # the device may be what failed: the blocks are freed regardless
+            logger.exception("could not wait for the queued step")
+        for seq in step.deferred_free:
+            self.block_manager.free(seq)
+
+    # -- every step ----------------------------------------------------------------------------
+
+    def _handle_token(self, seq: Sequence, token_id: int, now: float) -> None:
+        """A sampled token's id has reached the host: record it, check whether it ends the
+        request, and pin a finished prefill's blocks for its decode worker."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.grammar is not None and seq.grammar.accept(token_id):
+            reason = FinishReason.STOP  # the output is complete
+        else:
+            reason = check_stop(seq, self.resolved.eos_token_ids, self.resolved.max_model_len)
+        if reason is not None:
+            self._end(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            self.num_finished[reason.value] += 1
+        elif seq.pin_after_prefill:
+            self.scheduler.pin(seq)
+            self.pinned[seq.request_id] = now + self.config.kv_lease_seconds
+            self.num_finished["pinned"] += 1
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a sequence wherever it is. Its blocks are freed now, or, while a queued step
+        may still write them, once that step is done; its in-flight tokens are dropped."""
+        seq.drop_placeholders()
+        step = self._in_flight
+        holds_blocks = step is not None and seq.seq_id in step.rows
+        self.scheduler.finish(seq, reason, free_blocks=not holds_blocks)
+        if holds_blocks:
+            step.deferred_free.append(seq)
 
     def _admit_compiled_grammars(self) -> None:
         """Queue the requests whose grammar finished compiling; end those it failed for."""
@@ -347,7 +506,7 @@ class LLMEngine:
                 continue
             logger.warning("request %s: %s", seq.request_id, failure)
             self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._end(seq, FinishReason.ABORT)
             self.num_finished["abort"] += 1
         self.awaiting_grammar = still_compiling
 
@@ -366,5 +525,5 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
             if seq in self.awaiting_grammar:
                 self.awaiting_grammar.remove(seq)
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self._end(seq, FinishReason.ABORT)
             self.num_finished["deadline"] += 1

@@ -7,6 +7,7 @@ policy.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
+from tandem.workers.engine.host_to_device import as_device_tensor
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.kv_cache import KVCacheOwner, kv_cache_kind_of
@@ -133,21 +135,30 @@ class ModelRunner:
         tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table))
                   for item in batch.scheduled]
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        # One host-to-device copy for every part (host_to_device.py: it does not wait for the
+        # device, so a step's inputs can be built while the previous step runs). Each part
+        # starts 16-byte aligned, as a tensor of its own would: Triton specializes kernels on
+        # pointer alignment.
+        parts = [input_ids, positions, slots, query_start_loc, seq_lens,
+                 [block for table in tables for block in table], logits_indices]
+        padded = [len(part) + len(part) % 2 for part in parts]
+        values = as_device_tensor(
+            list(itertools.chain.from_iterable(part + [0] * (size - len(part))
+                                               for part, size in zip(parts, padded))),
+            torch.int64, self.device)
+        (ids, pos, slot_mapping, starts, lens, flat_tables, logits_at) = \
+            (chunk[:len(part)] for chunk, part in zip(values.split(padded), parts))
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
+            slot_mapping=slot_mapping,
+            query_start_loc=starts.to(torch.int32),
+            seq_lens=lens.to(torch.int32),
+            block_tables=flat_tables.view(len(tables), width).to(torch.int32),
             max_query_len=max(item.num_new_tokens for item in batch.scheduled),
             max_seq_len=max(seq_lens),
             query_start_loc_host=query_start_loc,
             seq_lens_host=seq_lens,
         )
-        return ModelInputs(tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta,
-                           tensor(logits_indices, torch.int64))
+        return ModelInputs(ids, pos, meta, logits_at)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:

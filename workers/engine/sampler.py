@@ -26,6 +26,7 @@ import torch
 
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.grammar_mask import GrammarMasker
+from tandem.workers.engine.host_to_device import as_device_tensor
 from tandem.workers.engine.sequence import Sequence, TokenLogprob
 
 
@@ -61,20 +62,7 @@ class Sampler:
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1)
 
-        self._block_stop_tokens_(logits, seqs)
-        _apply_penalties_(logits, seqs)
-
-        sampled = torch.empty(len(seqs), dtype=torch.long, device=device)  # [B]
-        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy_rows:
-            rows = _index(greedy_rows, device)
-            sampled[rows] = logits[rows].argmax(dim=-1)
-        if random_rows:
-            rows = _index(random_rows, device)
-            sub = logits if len(random_rows) == len(seqs) else logits[rows]
-            sampled[rows] = self._sample_random(sub, [seqs[i] for i in random_rows])
-
+        sampled = self._choose(logits, seqs)
         token_ids = sampled.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
@@ -83,6 +71,41 @@ class Sampler:
             for row, entry in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, nums)):
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The tokens `__call__` would sample, as a [B] long tensor on the logits' device, with
+        no wait for the device: the caller reads them later (asynchronous scheduling). For rows
+        that need nothing from the host after sampling (`samples_on_device`)."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match "
+                             f"{len(seqs)} sequences")
+        return self._choose(logits.to(torch.float32, copy=True), seqs)
+
+    @staticmethod
+    def samples_on_device(seq: Sequence) -> bool:
+        """Whether sample_on_device can sample the sequence: no grammar (its mask needs the
+        previous token on the host), no logprobs (gathered on the host) and no penalties (they
+        count the token ids, and the latest may still be in flight)."""
+        p = seq.sampling_params
+        return seq.grammar is None and p.logprobs is None and not _has_penalty(p)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Steps 2-5 on fp32 logits [B, V] (modified in place): the sampled ids, [B] long."""
+        device = logits.device
+        self._block_stop_tokens_(logits, seqs)
+        _apply_penalties_(logits, seqs)
+        greedy_rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
+        if len(greedy_rows) == len(seqs):
+            return logits.argmax(dim=-1)
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+        if not greedy_rows:
+            return self._sample_random(logits, seqs)
+        sampled = torch.empty(len(seqs), dtype=torch.long, device=device)  # [B]
+        rows = _index(greedy_rows, device)
+        sampled[rows] = logits[rows].argmax(dim=-1)
+        rows = _index(random_rows, device)
+        sampled[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
+        return sampled
 
     def _block_stop_tokens_(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Masks stop tokens to -inf in rows that have not yet produced min_tokens tokens."""
@@ -99,7 +122,11 @@ class Sampler:
                     rows.append(i)
                     tokens.append(token)
         if rows:
-            logits[_index(rows, logits.device), _index(tokens, logits.device)] = -math.inf
+            # The value is made on the device: a Python scalar would be copied there from
+            # pageable memory, which waits for every queued kernel (host_to_device.py).
+            device = logits.device
+            logits.index_put_((_index(rows, device), _index(tokens, device)),
+                              torch.full((len(rows),), -math.inf, device=device))
 
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [R, V] fp32, modified in place. Returns the sampled ids, [R] long."""
@@ -107,7 +134,7 @@ class Sampler:
         params = [seq.sampling_params for seq in seqs]
         vocab_size = logits.shape[1]
         # Shifting by the row max first keeps tiny temperatures from overflowing to +inf.
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = as_device_tensor([p.temperature for p in params], torch.float32, device)
         logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(temperature[:, None])
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -117,8 +144,8 @@ class Sampler:
             _apply_top_k_top_p_(logits, top_k, top_p if needs_p else None)
         if any(p.min_p > 0 for p in params):
             # prob_i < min_p * prob_max  <=>  logit_i - logit_max < log(min_p)
-            log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf
-                                      for p in params], device=device)
+            log_min_p = as_device_tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf
+                                          for p in params], torch.float32, device)
             too_unlikely = logits - logits.amax(dim=-1, keepdim=True) < log_min_p[:, None]
             logits.masked_fill_(too_unlikely, -math.inf)
 
@@ -185,12 +212,15 @@ def _apply_penalties_(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = _count_tokens([seqs[i].token_ids if p.repetition_penalty != 1.0 else []
                               for i, p in zip(penalized, params)], vocab_size, device) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = as_device_tensor([p.repetition_penalty for p in params], torch.float32,
+                                   device)[:, None]
         scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
         sub = torch.where(seen, scaled, sub)
 
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = as_device_tensor([p.frequency_penalty for p in params], torch.float32,
+                                 device)[:, None]
+    presence = as_device_tensor([p.presence_penalty for p in params], torch.float32,
+                                device)[:, None]
     sub -= frequency * counts + presence * (counts > 0).float()
     logits[rows] = sub.clamp_(max=torch.finfo(torch.float32).max)
 
@@ -204,8 +234,9 @@ def _count_tokens(token_lists: list[list[int]], vocab_size: int,
         # numpy turns the Python ints into one buffer several times faster than torch.tensor.
         flat = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64,
                            count=sum(lengths))
-        tokens = torch.from_numpy(flat).to(device)
-        rows = torch.from_numpy(np.repeat(np.arange(len(token_lists)), lengths)).to(device)
+        tokens = as_device_tensor(flat, torch.int64, device)
+        rows = as_device_tensor(np.repeat(np.arange(len(token_lists)), lengths), torch.int64,
+                                device)
         counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
                           accumulate=True)
     return counts
@@ -221,7 +252,7 @@ def _apply_top_k_top_p_(logits: torch.Tensor, top_k: list[int],
     """
     device = logits.device
     vocab_size = logits.shape[1]
-    k = torch.tensor(top_k, device=device)[:, None]  # [R, 1]
+    k = as_device_tensor(top_k, torch.int64, device)[:, None]  # [R, 1]
     if top_p is None:  # top_k only: a partial top-k is much cheaper than a full sort
         max_k = max(top_k)
         _, order = logits.topk(max_k, dim=-1)  # [R, max_k]
@@ -235,7 +266,8 @@ def _apply_top_k_top_p_(logits: torch.Tensor, top_k: list[int],
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # [R, V], mass of the likelier tokens
     # Rows with top_p == 1 get +inf so rounding in the cumulative sum can never cut their tail.
-    p = torch.tensor([v if v < 1.0 else math.inf for v in top_p], device=device)[:, None]
+    p = as_device_tensor([v if v < 1.0 else math.inf for v in top_p], torch.float32,
+                         device)[:, None]
     drop_sorted |= mass_before >= p
     drop_sorted[:, 0] = False
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
@@ -272,7 +304,7 @@ def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return as_device_tensor(values, torch.long, device)
 
 
 def advance_request_generator(seq: Sequence, num_steps: int, vocab_size: int,

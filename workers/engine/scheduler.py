@@ -150,9 +150,12 @@ class Scheduler:
             seq.first_scheduled_time = time.monotonic()
         self.running.append(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Ends a sequence wherever it is (running, waiting) and frees its blocks."""
-        self.block_manager.free(seq)
+    def finish(self, seq: Sequence, reason: FinishReason, *, free_blocks: bool = True) -> None:
+        """Ends a sequence wherever it is (running, waiting) and frees its blocks, unless
+        free_blocks is False: a step still running on the device may write them, and the
+        caller frees them (block_manager.free) once it is done."""
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()

@@ -37,6 +37,8 @@ class TokenLogprob:
 
 
 _seq_ids = itertools.count()
+# Stands for a token still being sampled on the device; never a real id (ids are >= 0).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 class Sequence:
@@ -48,13 +50,19 @@ class Sequence:
       block_table == [] otherwise
       a decoding sequence has num_computed_tokens == num_tokens - 1 (the last sampled token's KV
       is written by the next step).
+
+    Under asynchronous scheduling (engine.py) a token can be in flight: its step has been
+    launched on the device and its value is not known on the host yet. Such a token is held by
+    a placeholder (PLACEHOLDER_TOKEN_ID) at the end of token_ids, so counts and block tables
+    already include it; num_inflight_tokens says how many trailing ids are placeholders, and
+    the `known` accessors skip them.
     """
 
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "sampling_params", "status",
         "block_table", "block_hashes", "num_computed_tokens", "num_cached_tokens",
         "finish_reason", "logprobs", "generator", "num_preemptions", "num_prefix_hit_tokens",
-        "pin_after_prefill", "deadline", "grammar",
+        "pin_after_prefill", "deadline", "grammar", "num_inflight_tokens",
         "arrival_time", "first_scheduled_time", "first_token_time", "finished_time",
     )
 
@@ -87,6 +95,7 @@ class Sequence:
         self.deadline: float | None = None
         # Constrained requests (structured_output): the grammar every sampled token must fit.
         self.grammar = None  # grammar_mask.RequestGrammar | None
+        self.num_inflight_tokens = 0  # trailing placeholders in token_ids (see the docstring)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -104,6 +113,15 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known on the host (the in-flight placeholders excluded)."""
+        return len(self.token_ids) - self.num_inflight_tokens
+
+    @property
+    def last_known_token_id(self) -> int:
+        return self.token_ids[len(self.token_ids) - self.num_inflight_tokens - 1]
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -130,3 +148,21 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> int:
+        """Holds the place of a token being sampled on the device; returns its index."""
+        self.token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.num_inflight_tokens += 1
+        return len(self.token_ids) - 1
+
+    def fill_placeholder(self, index: int, token_id: int) -> None:
+        """The in-flight token at index (the oldest one) has arrived on the host."""
+        assert self.token_ids[index] == PLACEHOLDER_TOKEN_ID, f"{self}: no placeholder at {index}"
+        self.token_ids[index] = token_id
+        self.num_inflight_tokens -= 1
+
+    def drop_placeholders(self) -> None:
+        """Forget the in-flight tokens (the sequence ended before they arrived)."""
+        if self.num_inflight_tokens:
+            del self.token_ids[len(self.token_ids) - self.num_inflight_tokens:]
+            self.num_inflight_tokens = 0

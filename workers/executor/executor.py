@@ -6,6 +6,7 @@ decided once here, before the engine is built:
     executor = build_executor(config)      # the worker / tandem.LLM, at start-up
     engine = LLMEngine(config, executor)
     output = executor.execute(batch)       # per step: SamplerOutput (None: nothing sampled)
+    launched = executor.launch(batch, carried)  # or queued, read later (asynchronous scheduling)
     answers = executor.run_kv_ops(ops)     # KV transfer work on every rank (kv/rank_ops.py)
     executor.shutdown()                    # via engine.shutdown(), after the last step
 
@@ -18,6 +19,7 @@ together.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.logging import get_logger
 from tandem.workers.engine.config import EngineConfig, ResolvedConfig
 from tandem.workers.engine.cuda_graphs import default_capture_sizes
+from tandem.workers.engine.host_to_device import as_device_tensor
 from tandem.workers.engine.kv_sizing import KVCacheSize
 from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
                                                   size_rank_kv_cache)
@@ -44,6 +47,38 @@ from tandem.workers.parallel.process_group import rank_device
 from tandem.workers.parallel.validation import check_parallel_fits
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedTokens:
+    """Input tokens of a step that are the previous step's samples, still on the device."""
+
+    tokens: torch.Tensor  # [N] long: what the previous step sampled, by its row
+    rows: list[int]  # rows of this step whose input token is one of them
+    sources: list[int]  # for each of those rows, its row in `tokens`
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens, and their copy to the host, which the
+    engine reads when it needs them (`token_ids`)."""
+
+    def __init__(self, sampled: torch.Tensor) -> None:
+        self.sampled = sampled  # [B] long, on the device
+        self._ready = None
+        if sampled.is_cuda:
+            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            self._host.copy_(sampled, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = sampled
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids, in row order; waits (without holding the GIL) until the device has
+        run the step."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class Executor:
@@ -80,6 +115,23 @@ class Executor:
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         return self.sampler(logits, sampled) if sampled else None
 
+    @property
+    def supports_async_scheduling(self) -> bool:
+        """Whether `launch` works: one rank, whose device reads carried tokens itself."""
+        return True
+
+    def launch(self, batch: SchedulerOutput, carried: CarriedTokens | None) -> LaunchedStep:
+        """Queues a decode step (every sequence sampled; Sampler.samples_on_device holds for
+        each) on the device and returns without waiting for it. Input tokens named by
+        `carried` come from the previous step's samples on the device; the batch's token ids
+        hold placeholders for them."""
+        inputs = self.runner.prepare_inputs(batch)
+        if carried is not None:
+            _carry_(inputs.input_ids, carried)
+        logits = self.runner.execute(inputs)
+        seqs = [item.seq for item in batch.scheduled]
+        return LaunchedStep(self.sampler.sample_on_device(logits, seqs))
+
     def run_kv_ops(self, ops: list[KVRankOp]) -> list:
         """Runs KV rank ops on every rank, in order; rank 0's answer to each. Engine thread
         only (between steps), like every collective of the rank group."""
@@ -108,6 +160,12 @@ class MultiRankExecutor(Executor):
         return self._group
 
     @property
+    def supports_async_scheduling(self) -> bool:
+        """No: the follower ranks take each step's inputs from the host (STEP), so an input
+        token must be known there before the step starts."""
+        return False
+
+    @property
     def tp_size(self) -> int:
         return self._group.tp_size
 
@@ -124,6 +182,17 @@ class MultiRankExecutor(Executor):
         self.rank_kv.close()
         self.runner.release_cuda_graphs()
         self._group.shutdown()
+
+
+def _carry_(input_ids: torch.Tensor, carried: CarriedTokens) -> None:
+    """Writes the carried tokens into their rows of input_ids, on the device."""
+    if carried.tokens.numel() == input_ids.numel() \
+            and carried.rows == carried.sources == list(range(input_ids.numel())):
+        input_ids.copy_(carried.tokens)  # the same sequences in the same order: the usual case
+        return
+    rows = as_device_tensor(carried.rows, torch.long, input_ids.device)
+    sources = as_device_tensor(carried.sources, torch.long, input_ids.device)
+    input_ids[rows] = carried.tokens[sources]
 
 
 def build_executor(config: EngineConfig) -> Executor:

@@ -1,0 +1,187 @@
+"""Asynchronous scheduling (engine.py) queues decode step N+1 before step N's tokens are read.
+It must change nothing a caller sees: the same tokens and finish reasons as one step at a time,
+for every sampling mode, with requests joining, finishing, aborted and preempted in between,
+and no KV block kept or freed early. On CPU the device is the host, so these tests check the
+bookkeeping; the overlap itself is measured on a GPU (bench/serve.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers.checkpoints import random_prompts
+
+from tandem import LLM, SamplingParams
+from tandem.workers.async_engine import AsyncEngine, TokenEvent
+from tandem.workers.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    """(one step at a time, asynchronous), same weights."""
+    path = checkpoint("llama").path
+    common = dict(dtype="float32", max_num_seqs=6, num_kv_blocks=64)
+    return (LLM(path, async_scheduling=False, **common).engine,
+            LLM(path, async_scheduling=True, **common).engine)
+
+
+def run(engine, requests, *, on_step=None):
+    """Adds (prompt, params) requests, each after `delay` steps, and steps to the end."""
+    seqs, num_steps = {}, 0
+    pending = sorted(requests.items(), key=lambda kv: kv[1][2])
+    while pending or engine.has_unfinished:
+        while pending and pending[0][1][2] <= num_steps:
+            rid, (prompt, params, _) = pending.pop(0)
+            seqs[rid] = engine.add_request(prompt, params, rid)
+        engine.step()
+        num_steps += 1
+        if on_step is not None:
+            on_step(engine, num_steps)
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "a KV block was kept"
+    manager.check_invariants([])
+    return {rid: (seq.completion_token_ids, seq.finish_reason) for rid, seq in seqs.items()}
+
+
+MIXED_PROMPTS = random_prompts([5, 17, 33, 2, 40, 9, 21, 12], seed=11)
+
+
+def mixed_requests(stop_token: int | None = None) -> dict:
+    """Greedy, sampled (seeded), min/max tokens, stop ids, and rows that need the host between
+    steps (logprobs, penalties), arriving at different steps."""
+    prompts = MIXED_PROMPTS
+    stop = [stop_token] if stop_token is not None else []
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=18),
+        SamplingParams(temperature=0.7, top_k=20, min_p=0.05, seed=9, max_tokens=25,
+                       min_tokens=10),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stop),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=16, stop_token_ids=stop),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=14, repetition_penalty=1.2),
+    ]
+    delays = [0, 0, 1, 3, 5, 8, 12, 20]
+    return {f"r{i}": (prompt, p, delay)
+            for i, (prompt, p, delay) in enumerate(zip(prompts, params, delays))}
+
+
+def test_outputs_equal_one_step_at_a_time(engines):
+    sync, asynchronous = engines
+    # A token the greedy stream really produces, so stop ids end requests mid-stream.
+    probe = run(sync, {"probe": (MIXED_PROMPTS[4], SamplingParams(temperature=0, max_tokens=6),
+                                 0)})
+    stop_token = probe["probe"][0][4]
+    requests = mixed_requests(stop_token)
+    ahead = []
+    expected = run(sync, requests)
+    got = run(asynchronous, requests,
+              on_step=lambda e, _: ahead.append(e._in_flight is not None))
+    assert got == expected
+    assert any(finish is FinishReason.STOP for _, finish in expected.values())
+    assert sum(ahead) >= 3, "no decode step was queued ahead"
+
+
+def test_greedy_batch_runs_ahead_every_decode_step(engines):
+    _, asynchronous = engines
+    prompts = random_prompts([8, 8, 8], seed=2)
+    requests = {f"g{i}": (p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0)
+                for i, p in enumerate(prompts)}
+    returned = []
+    got = run(asynchronous, requests,
+              on_step=lambda e, _: returned.append(e.last_step is not None))
+    assert all(len(tokens) == 12 for tokens, _ in got.values())
+    # 1 prefill step, 1 step that only queues the first decode, 11 that each read one decode
+    # step's tokens while queueing the next, and 1 that reads the last.
+    assert len(returned) == 14 and returned.count(False) == 1
+
+
+def test_decode_runs_ahead_while_requests_wait_for_a_free_slot(engines):
+    sync, asynchronous = engines  # max_num_seqs=6: the last 4 of 10 wait
+    prompts = random_prompts([6] * 10, seed=12)
+    requests = {f"w{i}": (p, SamplingParams(temperature=0, max_tokens=8 + i), 0)
+                for i, p in enumerate(prompts)}
+    waiting_ahead = []
+    got = run(asynchronous, requests, on_step=lambda e, _: waiting_ahead.append(
+        e._in_flight is not None and bool(e.scheduler.waiting)))
+    assert got == run(sync, requests)
+    assert any(waiting_ahead), "no step was queued ahead while requests waited"
+
+
+def test_preemption_and_a_small_cache_give_the_same_tokens(checkpoint):
+    path = checkpoint("llama").path
+    common = dict(dtype="float32", max_num_seqs=4, num_kv_blocks=9, block_size=16,
+                  max_model_len=128)
+    prompts = random_prompts([30, 30, 30, 30], seed=4)
+    requests = {f"p{i}": (p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), 0)
+                for i, p in enumerate(prompts)}
+    sync = LLM(path, async_scheduling=False, **common).engine
+    asynchronous = LLM(path, async_scheduling=True, **common).engine
+    assert run(asynchronous, requests) == run(sync, requests)
+    assert asynchronous.scheduler.num_preemptions > 0
+
+
+def test_abort_while_a_step_is_queued_frees_blocks_after_it(engines):
+    _, engine = engines
+    prompts = random_prompts([20, 20], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kept = engine.add_request(prompts[0], params, "kept")
+    aborted = engine.add_request(prompts[1], params, "aborted")
+    while engine._in_flight is None:
+        engine.step()
+    manager = engine.block_manager
+    free_before = manager.num_free_blocks
+    engine.abort("aborted")
+    assert aborted.is_finished and aborted.num_inflight_tokens == 0
+    assert PLACEHOLDER_TOKEN_ID not in aborted.token_ids
+    assert manager.num_free_blocks == free_before, "freed while a queued step may write them"
+    while engine.has_unfinished:
+        engine.step()
+    assert len(kept.completion_token_ids) == 40
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_deadline_passing_while_a_step_is_queued(engines):
+    _, engine = engines
+    [prompt] = random_prompts([10], seed=8)
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=50), "late",
+                             deadline=None)
+    while engine._in_flight is None:
+        engine.step()
+    seq.deadline = 0.0  # already past
+    while engine.has_unfinished:
+        engine.step()
+    assert seq.finish_reason is FinishReason.ABORT
+    assert PLACEHOLDER_TOKEN_ID not in seq.token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_async_engine_streams_carry_real_tokens(engines):
+    sync, asynchronous = engines
+    prompts = random_prompts([12, 25], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    expected = run(sync, {f"s{i}": (p, params, 0) for i, p in enumerate(prompts)})
+
+    async def stream_all():
+        runner = AsyncEngine(asynchronous)
+        runner.start()
+        try:
+            streams = {f"s{i}": runner.open_stream(f"s{i}") for i in range(len(prompts))}
+            for i, prompt in enumerate(prompts):
+                await runner.call(lambda e, i=i, prompt=prompt: e.add_request(
+                    prompt, params, f"s{i}"))
+            out = {}
+            for rid, stream in streams.items():
+                tokens = []
+                while True:
+                    event = await asyncio.wait_for(stream.get(), 60)
+                    assert isinstance(event, TokenEvent)
+                    tokens.append(event.token_id)
+                    if event.finish_reason is not None:
+                        out[rid] = (tokens, event.finish_reason)
+                        break
+            return out
+        finally:
+            await runner.stop()
+
+    assert asyncio.run(stream_all()) == expected
