@@ -11,7 +11,9 @@ decode steps. A token in flight is a placeholder in its sequence (sequence.py); 
 it one step later, so a sequence that stopped at step N also computed step N+1, whose token is
 dropped. Blocks of a sequence that ends while a queued step may still write them are freed
 once that step is done. Steps that need the host in between run as before, one at a time:
-prefill chunks, grammar-constrained, logprob or penalized rows, preemption, tensor parallelism.
+prefill chunks, logprob or penalized rows, preemption, tensor parallelism. A step with
+grammar-constrained rows queues its forward pass ahead and its sampling once step N's tokens
+have advanced the grammars (the masks are filled while the forward pass runs).
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ class InFlightStep:
 
     seqs: list[Sequence]  # one per row, every one sampled
     placeholders: list[int]  # per row: the index in seq.token_ids of its in-flight token
-    launched: LaunchedStep
+    # The queued sampling; None while it waits for the previous step's tokens (`logits` set).
+    launched: LaunchedStep | None
+    logits: torch.Tensor | None
     rows: dict[int, int]  # seq_id -> row
     # Sequences that ended while this step was queued: their blocks are freed once it is done.
     deferred_free: list[Sequence] = field(default_factory=list)
@@ -348,7 +352,10 @@ class LLMEngine:
                 batch = self.scheduler.schedule()
                 assert not batch.is_prefill and not batch.preempted, "checked: decode only"
                 self._in_flight = self._launch(batch, previous)
-            return self._complete(previous, started)
+            done = self._complete(previous, started)
+            if self._in_flight is not None:
+                self._sample_queued(self._in_flight)
+            return done
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             if self.scheduler.has_unfinished:
@@ -415,16 +422,29 @@ class LLMEngine:
             if rows:
                 carried = CarriedTokens(previous.launched.sampled, rows,
                                         [previous.rows[seqs[row].seq_id] for row in rows])
-        launched = self.executor.launch(batch, carried)
+        logits = self.executor.launch_forward(batch, carried)
         placeholders = []
         for seq in seqs:
             seq.num_computed_tokens += 1
             placeholders.append(seq.append_placeholder())
-        return InFlightStep(seqs, placeholders, launched,
+        step = InFlightStep(seqs, placeholders, None, logits,
                             {seq.seq_id: row for row, seq in enumerate(seqs)})
+        # A grammar's mask needs every token before the row's input token on the host: with
+        # a step in flight, the sampling waits until that step's tokens are read
+        # (`_sample_queued`), while the forward pass runs.
+        if previous is None or all(seq.grammar is None for seq in seqs):
+            self._sample_queued(step)
+        return step
+
+    def _sample_queued(self, step: InFlightStep) -> None:
+        """Queue the sampling of a step whose forward pass is queued."""
+        if step.launched is None:
+            step.launched = self.executor.launch_sample(step.logits, step.seqs)
+            step.logits = None
 
     def _complete(self, step: InFlightStep, started: float) -> list[Sequence]:
         """Wait for a queued step's tokens and handle them, as `_run` does after its step."""
+        self._sample_queued(step)
         token_ids = step.launched.token_ids()
         for seq in step.deferred_free:
             self.block_manager.free(seq)
@@ -455,7 +475,8 @@ class LLMEngine:
         if step is None:
             return
         try:
-            step.launched.token_ids()
+            if step.launched is not None:
+                step.launched.token_ids()
         except Exception:  # the device may be what failed: the blocks are freed regardless
             logger.exception("could not wait for the queued step")
         for seq in step.deferred_free:

@@ -51,7 +51,7 @@ class RequestGrammar:
         """Build the matcher (once compiled) and consume the tokens seq generated so far."""
         if self.matcher is None:
             self.matcher = self.compiled.result().deep_copy()
-        pending = seq.token_ids[seq.num_prompt_tokens + self.num_accepted:]
+        pending = seq.token_ids[seq.num_prompt_tokens + self.num_accepted:seq.num_known_tokens]
         if pending:
             self._consume(pending)
 
@@ -109,7 +109,9 @@ class GrammarMasker:
         """The step's bitmask, [B, W] int32 on the host (a view of the reused buffer, valid
         until the next fill); every bit set in unconstrained rows. None when no row is
         constrained."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        # A sequence that ended while its row was queued keeps no mask: its token is dropped.
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None
+                and not seq.is_finished]
         if not rows:
             return None
         from llguidance import LLExecutor

@@ -79,15 +79,19 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match "
                              f"{len(seqs)} sequences")
-        return self._choose(logits.to(torch.float32, copy=True), seqs)
+        logits = logits.to(torch.float32, copy=True)
+        if any(seq.grammar is not None for seq in seqs):
+            self._grammar_masker.apply_(logits, seqs)
+        return self._choose(logits, seqs)
 
     @staticmethod
     def samples_on_device(seq: Sequence) -> bool:
-        """Whether sample_on_device can sample the sequence: no grammar (its mask needs the
-        previous token on the host), no logprobs (gathered on the host) and no penalties (they
-        count the token ids, and the latest may still be in flight)."""
+        """Whether sample_on_device can sample the sequence: no logprobs (gathered on the
+        host) and no penalties (they count the token ids, and the latest may still be in
+        flight). A grammar's mask is made on the host from the tokens before the row's input
+        token, so its caller samples once those are known."""
         p = seq.sampling_params
-        return seq.grammar is None and p.logprobs is None and not _has_penalty(p)
+        return p.logprobs is None and not _has_penalty(p)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Steps 2-5 on fp32 logits [B, V] (modified in place): the sampled ids, [B] long."""

@@ -36,6 +36,7 @@ from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
+from tandem.workers.engine.sequence import Sequence
 from tandem.workers.executor.rank_runner import LeaderRunner, RankGroup
 from tandem.workers.executor.step_inputs import pack_kv_ops
 from tandem.workers.kv.rank_ops import KVRankOp, RankKV, encode_ops
@@ -122,14 +123,24 @@ class Executor:
 
     def launch(self, batch: SchedulerOutput, carried: CarriedTokens | None) -> LaunchedStep:
         """Queues a decode step (every sequence sampled; Sampler.samples_on_device holds for
-        each) on the device and returns without waiting for it. Input tokens named by
-        `carried` come from the previous step's samples on the device; the batch's token ids
-        hold placeholders for them."""
+        each) on the device and returns without waiting for it: `launch_forward`, then
+        `launch_sample`."""
+        return self.launch_sample(self.launch_forward(batch, carried),
+                                  [item.seq for item in batch.scheduled])
+
+    def launch_forward(self, batch: SchedulerOutput,
+                       carried: CarriedTokens | None) -> torch.Tensor:
+        """Queues a decode step's forward pass; its logits [B, V], still being computed.
+        Input tokens named by `carried` come from the previous step's samples on the device;
+        the batch's token ids hold placeholders for them."""
         inputs = self.runner.prepare_inputs(batch)
         if carried is not None:
             _carry_(inputs.input_ids, carried)
-        logits = self.runner.execute(inputs)
-        seqs = [item.seq for item in batch.scheduled]
+        return self.runner.execute(inputs)
+
+    def launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedStep:
+        """Queues the sampling of a launched forward's logits (row i is seqs[i]'s). A
+        constrained row's grammar must have accepted every token before its input token."""
         return LaunchedStep(self.sampler.sample_on_device(logits, seqs))
 
     def run_kv_ops(self, ops: list[KVRankOp]) -> list:

@@ -6,11 +6,13 @@ bookkeeping; the overlap itself is measured on a GPU (bench/serve.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from helpers.checkpoints import random_prompts
 
 from tandem import LLM, SamplingParams
+from tandem.common.structured_output import StructuredOutput
 from tandem.workers.async_engine import AsyncEngine, TokenEvent
 from tandem.workers.engine.sequence import PLACEHOLDER_TOKEN_ID, FinishReason
 
@@ -42,7 +44,11 @@ def run(engine, requests, *, on_step=None):
     return {rid: (seq.completion_token_ids, seq.finish_reason) for rid, seq in seqs.items()}
 
 
-MIXED_PROMPTS = random_prompts([5, 17, 33, 2, 40, 9, 21, 12], seed=11)
+MIXED_PROMPTS = random_prompts([5, 17, 33, 2, 40, 9, 21, 12, 14, 26], seed=11)
+SCHEMA = StructuredOutput("json_schema", json.dumps({
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string",
+                                                                    "maxLength": 6}},
+    "required": ["a", "b"]}))
 
 
 def mixed_requests(stop_token: int | None = None) -> dict:
@@ -60,10 +66,20 @@ def mixed_requests(stop_token: int | None = None) -> dict:
         SamplingParams(temperature=1.0, seed=3, max_tokens=16, stop_token_ids=stop),
         SamplingParams(temperature=0, max_tokens=12, logprobs=2),
         SamplingParams(temperature=0.8, seed=1, max_tokens=14, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=40, structured_output=SCHEMA),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=30,
+                       structured_output=StructuredOutput("regex", r"[0-9]{2,5}-[a-c]{1,8}")),
     ]
-    delays = [0, 0, 1, 3, 5, 8, 12, 20]
+    delays = [0, 0, 1, 3, 5, 8, 12, 20, 2, 4]
     return {f"r{i}": (prompt, p, delay)
             for i, (prompt, p, delay) in enumerate(zip(prompts, params, delays))}
+
+
+def detokenized(engine, token_ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(engine.config.model).decode(
+        token_ids, skip_special_tokens=True)
 
 
 def test_outputs_equal_one_step_at_a_time(engines):
@@ -75,10 +91,18 @@ def test_outputs_equal_one_step_at_a_time(engines):
     requests = mixed_requests(stop_token)
     ahead = []
     expected = run(sync, requests)
-    got = run(asynchronous, requests,
-              on_step=lambda e, _: ahead.append(e._in_flight is not None))
+    constrained_ahead = []
+
+    def watch(e, _):
+        ahead.append(e._in_flight is not None)
+        constrained_ahead.append(e._in_flight is not None and any(
+            seq.grammar is not None for seq in e._in_flight.seqs))
+
+    got = run(asynchronous, requests, on_step=watch)
     assert got == expected
+    assert any(constrained_ahead), "no constrained step was queued ahead"
     assert any(finish is FinishReason.STOP for _, finish in expected.values())
+    json.loads(detokenized(asynchronous, got["r8"][0]))  # the constrained rows really were
     assert sum(ahead) >= 3, "no decode step was queued ahead"
 
 
