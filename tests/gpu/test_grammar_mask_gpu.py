@@ -16,7 +16,9 @@ from tandem.workers.engine.sequence import Sequence
 
 EOS = VOCAB - 1
 SCHEMA = {"type": "object", "properties": {
-    "kind": {"enum": ["cat", "dog"]}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "kind": {"enum": ["cat", "dog"]},
+    # Bounded, so that a random model's sampling ends every string and the array in time.
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
     "required": ["kind", "tags"], "additionalProperties": False}
 SPECS = (StructuredOutput("json_schema", json.dumps(SCHEMA)),
          StructuredOutput("choice", choices=("yes", "no")),
