@@ -6,8 +6,8 @@ once, and the next subscription starts again from a snapshot, so the index canno
 the worker's cache. Every router replica follows every worker the same way, so replicas agree
 on where a prefix is without sharing state.
 
-The index is inverted (block hash -> workers holding it) so that matching a prompt walks the
-prompt's blocks once for all workers, stopping at the first block nobody holds.
+The index is inverted (block hash -> workers holding it) so that matching a prompt probes a
+few of its blocks once for all workers (matched_blocks).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from tandem.common.block_hash import PromptBlockHashes
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.v1 import worker_pb2
@@ -68,30 +69,52 @@ class KVIndex:
         """Distinct block hashes held by any worker."""
         return len(self._holders)
 
-    def matched_blocks(self, prompt_hashes: Iterable[int], addresses: Iterable[str]
+    def matched_blocks(self, prompt: PromptBlockHashes, addresses: Iterable[str]
                        ) -> dict[str, int]:
-        """For each address: how many leading blocks of the prompt (given by their chained
-        hashes) it holds. Walks the prompt once for all addresses and reads no hash past the
-        first block none of them holds (PromptBlockHashes computes only the hashes read)."""
+        """For each address: how many leading blocks of the prompt it holds.
+
+        A worker's cache holds a prefix's blocks before its later ones: it frees a sequence's
+        tail blocks first, and a block in use keeps every block before it in use. So the
+        workers holding block k are among those holding block k - 1, and each worker's count
+        is found by bisection over block counts: the first block, the last, then the middle of
+        every range where the set of holders changes. A prompt held whole costs two probes; K
+        distinct counts cost about K * log2(blocks). A hole in a worker's prefix that no probe
+        lands on goes unseen, and the count runs past it (the worker then serves less than
+        predicted).
+        """
         matched = dict.fromkeys(addresses, 0)
         alive = {address for address in matched if address in self._held}
-        num_matched = 0
-        if alive:
-            for block_hash in prompt_hashes:
-                holders = self._holders.get(block_hash)
-                if holders is None:
-                    break
-                if not alive <= holders:
-                    still = alive & holders
-                    for address in alive - still:
-                        matched[address] = num_matched
-                    alive = still
-                    if not alive:
-                        break
-                num_matched += 1
-        for address in alive:
-            matched[address] = num_matched
+        num_blocks = len(prompt)
+        if not alive or num_blocks == 0:
+            return matched
+        at_first = self._holding(prompt.hash_of(1), alive)
+        if not at_first:
+            return matched
+        at_last = self._holding(prompt.hash_of(num_blocks), at_first)
+        counts = dict.fromkeys(at_last, num_blocks)
+        # Ranges (lo, holders of block lo, hi, holders of block hi): the workers of the first
+        # set outside the second hold lo blocks and fewer than hi. A worker with a hole in its
+        # prefix may be counted in two ranges: the lower count is the one its cache serves.
+        ranges = [(1, at_first, num_blocks, at_last)]
+        while ranges:
+            lo, at_lo, hi, at_hi = ranges.pop()
+            if len(at_lo) == len(at_hi):  # at_hi is a subset of at_lo
+                continue
+            if hi - lo == 1:
+                for address in at_lo - at_hi:
+                    counts[address] = min(counts.get(address, lo), lo)
+                continue
+            mid = (lo + hi) // 2
+            at_mid = self._holding(prompt.hash_of(mid), at_lo)
+            ranges.append((mid, at_mid, hi, at_hi & at_mid))
+            ranges.append((lo, at_lo, mid, at_mid))
+        matched.update(counts)
         return matched
+
+    def _holding(self, block_hash: int, among: set[str]) -> set[str]:
+        """The addresses of `among` that hold the block."""
+        holders = self._holders.get(block_hash)
+        return among & holders if holders else set()
 
 
 class KVEventFeed:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from tandem.common.block_hash import compute_block_hash
+from tandem.common.block_hash import BlockHasher
 from tandem.workers.engine.sequence import Sequence
 
 
@@ -30,7 +30,7 @@ class BlockManager:
 
         tokens       t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
         block_table  [    7      ,     2       ,    11     ]
-        block_hashes [   h0      ,  h1=H(h0,.) ]             <- full blocks whose KV is computed
+        block_hashes [ h0=H(t0..t3), h1=H(t0..t7) ]          <- full blocks whose KV is computed
 
     Invariants (check_invariants asserts them):
       * a block is in the free pool  <=>  its ref_count == 0;
@@ -118,10 +118,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_computed_full = seq.num_computed_tokens // self.block_size
-        for index in range(len(seq.block_hashes), num_computed_full):
-            prev_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        num_hashed = len(seq.block_hashes)
+        if num_hashed >= num_computed_full:
+            return
+        hasher = BlockHasher(seq.token_ids[:num_hashed * self.block_size])
+        for index in range(num_hashed, num_computed_full):
             token_ids = tuple(seq.block_token_ids(index, self.block_size))
-            block_hash = compute_block_hash(prev_hash, token_ids)
+            block_hash = hasher.next_block(token_ids)
             block = self.blocks[seq.block_table[index]]
             block.hash, block.token_ids = block_hash, token_ids
             seq.block_hashes.append(block_hash)
@@ -173,16 +176,15 @@ class BlockManager:
         hit_hashes: list[int] = []
         if not self.enable_prefix_caching:
             return hit_block_ids, hit_hashes
-        prev_hash = None
+        hasher = BlockHasher()
         for index in range((seq.num_tokens - 1) // self.block_size):
             token_ids = tuple(seq.block_token_ids(index, self.block_size))
-            block_hash = compute_block_hash(prev_hash, token_ids)
+            block_hash = hasher.next_block(token_ids)
             block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break  # a miss (or a hash collision) ends the shared prefix
             hit_block_ids.append(block_id)
             hit_hashes.append(block_hash)
-            prev_hash = block_hash
         return hit_block_ids, hit_hashes
 
     def _num_blocks_to_allocate(self, seq: Sequence, hit_block_ids: list[int]) -> int:
