@@ -16,7 +16,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0  # live sequences whose block_table holds this block
-        self.hash: int | None = None  # chained hash of its full, computed contents
+        self.hash: int | None = None  # hash of its full, computed contents and all before
         self.token_ids: tuple[int, ...] | None = None  # kept to verify hits (hash collisions)
 
     def __repr__(self) -> str:
