@@ -57,6 +57,10 @@ class BlockManager:
         # stored(hash), evicted(hash), cleared() when all leave at once (workers/kv_events.py
         # publishes them). None: nobody is.
         self.cache_listener = None
+        # seq_id -> (its blocks hashed so far, the running hash past them): a sequence that
+        # fills another block hashes only that block, not its whole prefix again. Dropped when
+        # the sequence's blocks are freed.
+        self._running_hashes: dict[int, tuple[int, BlockHasher]] = {}
         # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -121,7 +125,10 @@ class BlockManager:
         num_hashed = len(seq.block_hashes)
         if num_hashed >= num_computed_full:
             return
-        hasher = BlockHasher(seq.token_ids[:num_hashed * self.block_size])
+        kept_blocks, hasher = self._running_hashes.get(seq.seq_id, (-1, None))
+        if kept_blocks != num_hashed:
+            hasher = BlockHasher(seq.token_ids[:num_hashed * self.block_size])
+        self._running_hashes[seq.seq_id] = num_computed_full, hasher
         for index in range(num_hashed, num_computed_full):
             token_ids = tuple(seq.block_token_ids(index, self.block_size))
             block_hash = hasher.next_block(token_ids)
@@ -147,6 +154,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None  # keeps its hash: still hittable
         seq.block_table = []
         seq.block_hashes = []
+        self._running_hashes.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 

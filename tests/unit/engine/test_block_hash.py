@@ -101,3 +101,20 @@ def test_prompt_hashes_are_probed_in_any_order_and_kept():
     for count in (0, 91):
         with pytest.raises(IndexError):
             hashes.hash_of(count)
+
+
+def test_a_growing_sequence_hashes_its_new_blocks_as_the_router_does():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = computed(bm, range(10))
+    for token in range(100, 118):  # decode: one token per step, five more blocks filled
+        bm.append_slots(seq, 1)
+        seq.append_token(token)
+        seq.num_computed_tokens = seq.num_tokens - 1  # the newest token's KV comes next step
+        bm.cache_computed_blocks(seq)
+    assert seq.block_hashes == prefix_block_hashes(seq.token_ids, 4)[:len(seq.block_hashes)]
+    assert len(seq.block_hashes) == (seq.num_tokens - 1) // 4
+    bm.free(seq)  # preempted: computed again from its cached prefix
+    again = computed(bm, seq.token_ids)
+    assert again.block_hashes == prefix_block_hashes(seq.token_ids, 4)
+    bm.free(again)
+    assert bm._running_hashes == {}
