@@ -27,11 +27,17 @@ RESUBSCRIBE_MAX_SECONDS = 5.0
 
 
 class KVIndex:
-    """Block hashes per worker address, with each worker's block size."""
+    """Block hashes per worker address, with each worker's block size.
+
+    Each worker followed gets a bit; a hash maps to the bits of the workers holding it, so
+    matching intersects integers, and the index's hundreds of thousands of entries are dicts of
+    plain integers, which Python's cyclic garbage collector does not track or scan.
+    """
 
     def __init__(self) -> None:
-        self._held: dict[str, set[int]] = {}  # address -> hashes it holds
-        self._holders: dict[int, set[str]] = {}  # hash -> addresses holding it
+        self._held: dict[str, dict[int, None]] = {}  # address -> hashes it holds (ordered set)
+        self._holders: dict[int, int] = {}  # hash -> bits of the workers holding it
+        self._bits: dict[str, int] = {}  # address -> its bit, while it holds a set
         self.block_sizes: dict[str, int] = {}  # address -> tokens per block
 
     def apply(self, address: str, message: worker_pb2.SubscribeKVEventsResponse) -> None:
@@ -39,26 +45,32 @@ class KVIndex:
         if message.is_snapshot or message.cleared:
             self.forget(address)
         self.block_sizes[address] = message.block_size
-        held = self._held.setdefault(address, set())
+        held = self._held.setdefault(address, {})
+        bit = self._bit(address)
+        holders = self._holders
         for block_hash in message.evicted_hashes:
             if block_hash in held:
-                held.discard(block_hash)
-                holders = self._holders[block_hash]
-                holders.discard(address)
-                if not holders:
-                    del self._holders[block_hash]
+                del held[block_hash]
+                remaining = holders[block_hash] & ~bit
+                if remaining:
+                    holders[block_hash] = remaining
+                else:
+                    del holders[block_hash]
         for block_hash in message.stored_hashes:
             if block_hash not in held:
-                held.add(block_hash)
-                self._holders.setdefault(block_hash, set()).add(address)
+                held[block_hash] = None
+                holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def forget(self, address: str) -> None:
         """Drops every block of a worker (its stream broke, or it left the pool)."""
+        bit = self._bits.pop(address, 0)
+        holders = self._holders
         for block_hash in self._held.pop(address, ()):
-            holders = self._holders[block_hash]
-            holders.discard(address)
-            if not holders:
-                del self._holders[block_hash]
+            remaining = holders[block_hash] & ~bit
+            if remaining:
+                holders[block_hash] = remaining
+            else:
+                del holders[block_hash]
         self.block_sizes.pop(address, None)
 
     def num_blocks(self, address: str) -> int:
@@ -68,6 +80,16 @@ class KVIndex:
     def num_hashes(self) -> int:
         """Distinct block hashes held by any worker."""
         return len(self._holders)
+
+    def _bit(self, address: str) -> int:
+        """The address's bit: the lowest one no other followed worker has."""
+        bit = self._bits.get(address)
+        if bit is None:
+            taken = 0
+            for other in self._bits.values():
+                taken |= other
+            bit = self._bits[address] = ~taken & (taken + 1)
+        return bit
 
     def matched_blocks(self, prompt: PromptBlockHashes, addresses: Iterable[str]
                        ) -> dict[str, int]:
@@ -83,38 +105,47 @@ class KVIndex:
         predicted).
         """
         matched = dict.fromkeys(addresses, 0)
-        alive = {address for address in matched if address in self._held}
+        alive = 0
+        for address in matched:
+            alive |= self._bits.get(address, 0)
         num_blocks = len(prompt)
         if not alive or num_blocks == 0:
             return matched
-        at_first = self._holding(prompt.hash_of(1), alive)
+        holders = self._holders
+        at_first = holders.get(prompt.hash_of(1), 0) & alive
         if not at_first:
             return matched
-        at_last = self._holding(prompt.hash_of(num_blocks), at_first)
-        counts = dict.fromkeys(at_last, num_blocks)
-        # Ranges (lo, holders of block lo, hi, holders of block hi): the workers of the first
-        # set outside the second hold lo blocks and fewer than hi. A worker with a hole in its
-        # prefix may be counted in two ranges: the lower count is the one its cache serves.
+        at_last = holders.get(prompt.hash_of(num_blocks), 0) & at_first
+        counts: dict[int, int] = {}  # bit -> blocks
+        _count(counts, at_last, num_blocks)
+        # Ranges (lo, holders of block lo, hi, holders of block hi; sets as bits): the workers
+        # of the first set outside the second hold lo blocks and fewer than hi. A worker with a
+        # hole in its prefix may be counted in two ranges: the lower count is what it serves.
         ranges = [(1, at_first, num_blocks, at_last)]
         while ranges:
             lo, at_lo, hi, at_hi = ranges.pop()
-            if len(at_lo) == len(at_hi):  # at_hi is a subset of at_lo
+            if at_lo == at_hi:  # at_hi is a subset of at_lo
                 continue
             if hi - lo == 1:
-                for address in at_lo - at_hi:
-                    counts[address] = min(counts.get(address, lo), lo)
+                _count(counts, at_lo & ~at_hi, lo)
                 continue
             mid = (lo + hi) // 2
-            at_mid = self._holding(prompt.hash_of(mid), at_lo)
+            at_mid = holders.get(prompt.hash_of(mid), 0) & at_lo
             ranges.append((mid, at_mid, hi, at_hi & at_mid))
             ranges.append((lo, at_lo, mid, at_mid))
-        matched.update(counts)
+        for address in matched:
+            bit = self._bits.get(address)
+            if bit in counts:
+                matched[address] = counts[bit]
         return matched
 
-    def _holding(self, block_hash: int, among: set[str]) -> set[str]:
-        """The addresses of `among` that hold the block."""
-        holders = self._holders.get(block_hash)
-        return among & holders if holders else set()
+
+def _count(counts: dict[int, int], bits: int, num_blocks: int) -> None:
+    """Records num_blocks for each worker bit in `bits`, unless one is lower already."""
+    while bits:
+        bit = bits & -bits
+        counts[bit] = min(counts.get(bit, num_blocks), num_blocks)
+        bits ^= bit
 
 
 class KVEventFeed:
