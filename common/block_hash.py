@@ -24,6 +24,11 @@ import struct
 from collections.abc import Sequence
 
 
+# A probe keeps its running hash at least this often (in packed token bytes): copying a state
+# costs about as much as hashing a few hundred bytes.
+_CHECKPOINT_BYTES = 2048
+
+
 def _pack(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}q", *token_ids)
 
@@ -51,8 +56,9 @@ class PromptBlockHashes:
     asked for: hash_of(count) is the hash of the count-th block.
 
     The tokens are packed once, as far as asked. Every probe keeps its running SHA-256 state,
-    and a later probe further on starts from the nearest state before it, so probing block
-    counts in any order hashes each token about once per bisection level, not once per probe.
+    and one every _CHECKPOINT_BYTES of tokens on its way; a later probe starts from the nearest
+    state before it, so once a probe has hashed the prompt, any other probe hashes at most
+    _CHECKPOINT_BYTES more.
     The prompt's later picks (the decode tier after the prefill tier) reuse what is kept.
     """
 
@@ -83,12 +89,21 @@ class PromptBlockHashes:
             if len(self._packed) < count * step:
                 start = len(self._packed) // 8
                 self._packed += _pack(self.token_ids[start:count * self.block_size])
-            position = bisect.bisect_right(self._state_counts, count) - 1
-            base = self._state_counts[position]
-            sha = self._states[position].copy()
-            sha.update(memoryview(self._packed)[base * step:count * step])
-            self._state_counts.insert(position + 1, count)
-            self._states.insert(position + 1, sha)
+            counts, states = self._state_counts, self._states
+            position = bisect.bisect_right(counts, count) - 1
+            base = counts[position]
+            sha = states[position].copy()
+            packed = memoryview(self._packed)
+            stride = max(1, _CHECKPOINT_BYTES // step)
+            while count - base > stride:  # no state lies between base and count
+                sha.update(packed[base * step:(base + stride) * step])
+                base += stride
+                position += 1
+                counts.insert(position, base)
+                states.insert(position, sha.copy())
+            sha.update(packed[base * step:count * step])
+            counts.insert(position + 1, count)
+            states.insert(position + 1, sha)
             block_hash = self.probed[count] = _key(sha)
         return block_hash
 
