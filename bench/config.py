@@ -25,8 +25,9 @@ class BenchmarkConfig:
     OpenAI completions, instead of to `router` over gRPC.
     `workload` (bench/prefix_workloads.py): "random" (the above), "chat" (`conversations`
     conversations of `turns` turns with `system_prompt_len`-token system prompts, each its own
-    unless `shared_system_prompt` (then one for all); input_len is each user message, concurrency is the number of conversations; a conversation pauses
-    `think_time_s` on average, exponentially distributed, between a reply and its next turn)
+    unless `shared_system_prompt` (then one for all); input_len is each user message,
+    concurrency is the number of conversations; a conversation pauses `think_time_s` on
+    average, exponentially distributed, between a reply and its next turn)
     or "shared-prefix" (`groups` prefixes of `prefix_len` tokens; input_len is each request's
     suffix).
     """

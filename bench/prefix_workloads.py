@@ -2,10 +2,10 @@
 
 * multi-turn chat (`--workload chat`): C conversations of T turns, each with its own system
   prompt of S tokens (tenants with their own context), or all with the same one
-  (`--shared-system-prompt`: one application's users); every turn sends the conversation's history (system prompt, earlier user
-  messages and the model's real replies) plus a new user message. A conversation sends its
-  next turn only after its previous one finished (and, with a think time, after a pause), so
-  C conversations make concurrency C at most.
+  (`--shared-system-prompt`: one application's users); every turn sends the conversation's
+  history (system prompt, earlier user messages and the model's real replies) plus a new user
+  message. A conversation sends its next turn only after its previous one finished (and, with
+  a think time, after a pause), so C conversations make concurrency C at most.
 * shared prefix (`--workload shared-prefix`): G groups, each with its own prefix of P tokens;
   every request is a random group's prefix plus a random suffix.
 
