@@ -12,8 +12,9 @@ values block by block with one running SHA-256 per sequence (BlockHasher).
 Collisions: 64 bits leave a chance of about n / 2**64 that a prompt block wrongly matches one
 of n cached blocks (below 1e-13 for a million). A wrong match in the router's index only sends
 a request to a worker that then misses; a worker serving a hit first checks that the cached
-block holds the same token ids, and SHA-256 lets nobody construct a colliding prompt without
-knowing the tokens it would collide with. Stable across processes and machines, unlike
+block holds the same token ids (so a collision must also repeat the block's own tokens to
+serve wrong KV), and SHA-256 lets nobody construct a colliding prompt without knowing the
+tokens it would collide with. Stable across processes and machines, unlike
 Python's salted hash().
 """
 from __future__ import annotations
