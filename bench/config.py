@@ -24,9 +24,10 @@ class BenchmarkConfig:
     With `http` (the router's HTTP API, http(s)://host:port) the load goes there, as streamed
     OpenAI completions, instead of to `router` over gRPC.
     `workload` (bench/prefix_workloads.py): "random" (the above), "chat" (`conversations`
-    conversations of `turns` turns with `system_prompt_len`-token system prompts; input_len is
-    each user message, concurrency is the number of conversations; a conversation pauses
-    `think_time_s` on average, exponentially distributed, between a reply and its next turn)
+    conversations of `turns` turns with `system_prompt_len`-token system prompts, each its own
+    unless `shared_system_prompt` (then one for all); input_len is each user message,
+    concurrency is the number of conversations; a conversation pauses `think_time_s` on
+    average, exponentially distributed, between a reply and its next turn)
     or "shared-prefix" (`groups` prefixes of `prefix_len` tokens; input_len is each request's
     suffix).
     """
@@ -52,6 +53,7 @@ class BenchmarkConfig:
     conversations: int = 12
     turns: int = 6
     system_prompt_len: int = 256
+    shared_system_prompt: bool = False
     groups: int = 4
     prefix_len: int = 512
     think_time_s: float = 0.0
@@ -122,7 +124,9 @@ class BenchmarkConfig:
         """E.g. "concurrency 4" or "Poisson 2.5 req/s"."""
         if self.workload == "chat":
             return (f"chat: {self.conversations} conversations x {self.turns} turns, "
-                    f"{self.system_prompt_len}-token system prompts")
+                    f"{self.system_prompt_len}-token "
+                    f"{'shared' if self.shared_system_prompt else 'per-conversation'} "
+                    "system prompts")
         return f"Poisson {self.rate:g} req/s" if self.is_open_loop \
             else f"concurrency {self.max_in_flight}"
 

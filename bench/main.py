@@ -87,6 +87,9 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
     shared.add_argument("--system-prompt-len", type=int, default=256, metavar="S",
                         help="chat: tokens of each conversation's system prompt (default 256); "
                              "--input-len is each user message")
+    shared.add_argument("--shared-system-prompt", action="store_true",
+                        help="chat: every conversation starts with the same system prompt "
+                             "(default: each conversation has its own)")
     shared.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
                         help="chat: mean pause between a reply and the next turn "
                              "(exponential; default 0: the next turn follows at once)")
@@ -107,7 +110,8 @@ def _config(args: argparse.Namespace) -> BenchmarkConfig:
         show_progress=not args.no_progress, processes=args.processes,
         workload=args.workload,
         conversations=args.conversations, turns=args.turns,
-        system_prompt_len=args.system_prompt_len, groups=args.groups,
+        system_prompt_len=args.system_prompt_len,
+        shared_system_prompt=args.shared_system_prompt, groups=args.groups,
         prefix_len=args.prefix_len, think_time_s=args.think_time)
 
 

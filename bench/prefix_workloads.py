@@ -1,10 +1,11 @@
 """Workloads whose prompts share prefixes, to measure prefix caching and cache-aware routing.
 
 * multi-turn chat (`--workload chat`): C conversations of T turns, each with its own system
-  prompt of S tokens; every turn sends the conversation's history (system prompt, earlier user
-  messages and the model's real replies) plus a new user message. A conversation sends its
-  next turn only after its previous one finished (and, with a think time, after a pause), so
-  C conversations make concurrency C at most.
+  prompt of S tokens (tenants with their own context), or all with the same one
+  (`--shared-system-prompt`: one application's users); every turn sends the conversation's
+  history (system prompt, earlier user messages and the model's real replies) plus a new user
+  message. A conversation sends its next turn only after its previous one finished (and, with
+  a think time, after a pause), so C conversations make concurrency C at most.
 * shared prefix (`--workload shared-prefix`): G groups, each with its own prefix of P tokens;
   every request is a random group's prefix plus a random suffix.
 
@@ -100,10 +101,14 @@ class ConversationLoad(LoadGenerator):
         self.source = _TokenSource(model_info["vocab_size"], model_info["eos_token_ids"],
                                    config.seed)
         self.max_model_len = model_info["max_model_len"]
-        self.conversations = [_Conversation(self.source.tokens(config.system_prompt_len),
-                                            config.turns,
-                                            np.random.default_rng([config.seed, index]))
-                              for index in range(config.conversations)]
+        shared = self.source.tokens(config.system_prompt_len) \
+            if config.shared_system_prompt else None
+        # A shared system prompt is reusable once some turn has been computed with it.
+        self.shared_prompt_len = 0
+        self.conversations = [
+            _Conversation(shared or self.source.tokens(config.system_prompt_len), config.turns,
+                          np.random.default_rng([config.seed, index]))
+            for index in range(config.conversations)]
         self.progress.total = config.conversations * config.turns
 
     async def run(self):
@@ -137,11 +142,14 @@ class ConversationLoad(LoadGenerator):
                 conversation.history = prompt + list(output_token_ids)
                 # The last sampled token is never run through the model: no KV for it.
                 conversation.num_reusable = len(conversation.history) - 1
+                if config.shared_system_prompt:
+                    self.shared_prompt_len = config.system_prompt_len
                 replied.append(True)
 
+            num_reusable = max(conversation.num_reusable, self.shared_prompt_len)
             spec = RequestSpec(max_tokens=num_output, token_ids=tuple(prompt),
-                               ideal_cached_tokens=ideal_cached_tokens(
-                                   conversation.num_reusable, len(prompt)),
+                               ideal_cached_tokens=ideal_cached_tokens(num_reusable,
+                                                                       len(prompt)),
                                on_done=on_done)
             await self._send(*self._take_spec(spec))
             if not replied:

@@ -1,88 +1,120 @@
-"""The chained KV block hash, shared by workers (prefix cache keys) and the router (which
-computes the same keys from a prompt's token ids to know which worker holds its prefix)."""
+"""The KV block hash, shared by workers (prefix cache keys) and the router (which computes the
+same keys from a prompt's token ids to know which worker holds its prefix).
+
+A full block's hash is the hash of every token up to the block's end: SHA-256 over the token
+ids, each as 8 little-endian bytes, truncated to its first 8 bytes (read little-endian). It
+depends on the block's tokens and on every token before them, as a chain of per-block hashes
+would, and it does not depend on the block size. Unlike a chain, the hash of any one block of a
+prompt is a single call over the prompt's leading bytes: the router probes the few block counts
+it needs (PromptBlockHashes) instead of hashing every block in turn. Workers compute the same
+values block by block with one running SHA-256 per sequence (BlockHasher).
+
+Collisions: 64 bits leave a chance of about n / 2**64 that a prompt block wrongly matches one
+of n cached blocks (below 1e-13 for a million). A wrong match in the router's index only sends
+a request to a worker that then misses; a worker serving a hit first checks that the cached
+block holds the same token ids (so a collision must also repeat the block's own tokens to
+serve wrong KV), and SHA-256 lets nobody construct a colliding prompt without knowing the
+tokens it would collide with. Stable across processes and machines, unlike
+Python's salted hash().
+"""
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
-
-# Blocks PromptBlockHashes hashes per run: enough that packing the tokens costs little per
-# block, few enough that a walk ending early leaves little hashed for nothing.
-_BLOCKS_PER_RUN = 16
+from collections.abc import Sequence
 
 
-def compute_block_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block: depends on the block's tokens and on every block before it.
+# A probe keeps its running hash at least this often (in packed token bytes): copying a state
+# costs about as much as hashing a few hundred bytes.
+_CHECKPOINT_BYTES = 2048
 
-    Stable across processes and machines (blake2b over a fixed little-endian encoding), unlike
-    Python's salted hash(). prev_hash is None for a sequence's first block.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    # A one-byte tag keeps "no parent" distinct from a parent whose hash happens to be 0.
-    h.update(b"\x00" if prev_hash is None else b"\x01" + prev_hash.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(h.digest(), "little")
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+
+
+def _key(sha) -> int:
+    return int.from_bytes(sha.digest()[:8], "little")
+
+
+class BlockHasher:
+    """The hashes of a sequence's full blocks in order, each from the running hash of the
+    tokens so far (a worker's cache lookup and the blocks it caches after a step)."""
+
+    def __init__(self, token_ids_before: Sequence[int] = ()) -> None:
+        """`token_ids_before`: the tokens of the blocks before the first one to hash."""
+        self._sha = hashlib.sha256(_pack(token_ids_before))
+
+    def next_block(self, token_ids: Sequence[int]) -> int:
+        """The hash of the block after those hashed so far, which holds `token_ids`."""
+        self._sha.update(_pack(token_ids))
+        return _key(self._sha)
 
 
 class PromptBlockHashes:
-    """The chained hashes (compute_block_hash) of the leading full blocks of a prompt, at most
-    `max_blocks`, computed only as far as they are read and kept for the next reader.
+    """The hashes of a prompt's leading full blocks (at most `max_blocks`), each computed when
+    asked for: hash_of(count) is the hash of the count-th block.
 
-    The router reads them while matching a prompt against its index and stops at the first
-    block no worker holds, so a prompt costs the hashing of its cached prefix plus at most a
-    run of blocks, not of its whole length; a request's later picks (the decode tier after the
-    prefill tier) read on from what is kept. Blocks are hashed in runs of _BLOCKS_PER_RUN: each
-    run packs its tokens once and chains on the previous block's digest bytes (the digest is
-    the hash's little-endian encoding, so no integer conversion sits inside the chain).
+    The tokens are packed once, as far as asked. Every probe keeps its running SHA-256 state,
+    and one every _CHECKPOINT_BYTES of tokens on its way; a later probe starts from the nearest
+    state before it, so once a probe has hashed the prompt, any other probe hashes at most
+    _CHECKPOINT_BYTES more.
+    The prompt's later picks (the decode tier after the prefill tier) reuse what is kept.
     """
 
     def __init__(self, token_ids: Sequence[int], block_size: int,
-                 max_blocks: int | None = None, known: Sequence[int] = ()) -> None:
-        """`known`: the hashes of the prompt's leading blocks where they are known already (an
-        earlier prompt had the same tokens there); only the blocks after them are hashed."""
+                 max_blocks: int | None = None) -> None:
         num_blocks = len(token_ids) // block_size
         if max_blocks is not None:
             num_blocks = min(num_blocks, max_blocks)
         self.num_blocks = max(0, num_blocks)
         self.block_size = block_size
         self.token_ids = token_ids
-        self.hashes: list[int] = list(known[:self.num_blocks])  # the blocks hashed so far
-        # The latest hashed block's digest: the hash's little-endian bytes.
-        self._last_digest = self.hashes[-1].to_bytes(8, "little") if self.hashes else b""
+        self.probed: dict[int, int] = {}  # block count -> hash of that block
+        self._packed = b""  # the leading tokens' bytes, as far as a probe needed them
+        # Block counts with a kept SHA-256 state (ascending), and the states.
+        self._state_counts: list[int] = [0]
+        self._states: list = [hashlib.sha256()]
 
     def __len__(self) -> int:
         return self.num_blocks
 
-    def __iter__(self) -> Iterator[int]:
-        position = 0
-        while position < self.num_blocks:
-            if position == len(self.hashes):
-                self._hash_next_run()
-            run = self.hashes[position:]
-            position += len(run)
-            yield from run
-
-    def _hash_next_run(self) -> None:
-        first = len(self.hashes)
-        stop = min(self.num_blocks, first + _BLOCKS_PER_RUN)
-        block_size = self.block_size
-        packed = struct.pack(f"<{(stop - first) * block_size}q",
-                             *self.token_ids[first * block_size:stop * block_size])
-        step = 8 * block_size
-        blake2b = hashlib.blake2b
-        digest = self._last_digest
-        if first == 0:
-            digest = blake2b(b"\x00" + packed[:step], digest_size=8).digest()
-        digests = [digest] if first == 0 else []
-        for start in range(step if first == 0 else 0, len(packed), step):
-            digest = blake2b(b"\x01" + digest + packed[start:start + step],
-                             digest_size=8).digest()
-            digests.append(digest)
-        self._last_digest = digest
-        self.hashes.extend(struct.unpack(f"<{len(digests)}Q", b"".join(digests)))
+    def hash_of(self, count: int) -> int:
+        """The hash of block number `count` (1-based): of the prompt's first count blocks."""
+        if not 1 <= count <= self.num_blocks:
+            raise IndexError(f"block {count} of a prompt with {self.num_blocks} full blocks")
+        block_hash = self.probed.get(count)
+        if block_hash is None:
+            step = 8 * self.block_size
+            if len(self._packed) < count * step:
+                start = len(self._packed) // 8
+                self._packed += _pack(self.token_ids[start:count * self.block_size])
+            counts, states = self._state_counts, self._states
+            position = bisect.bisect_right(counts, count) - 1
+            base = counts[position]
+            sha = states[position].copy()
+            packed = memoryview(self._packed)
+            stride = max(1, _CHECKPOINT_BYTES // step)
+            while count - base > stride:  # no state lies between base and count
+                sha.update(packed[base * step:(base + stride) * step])
+                base += stride
+                position += 1
+                counts.insert(position, base)
+                states.insert(position, sha.copy())
+            sha.update(packed[base * step:count * step])
+            counts.insert(position + 1, count)
+            states.insert(position + 1, sha)
+            block_hash = self.probed[count] = _key(sha)
+        return block_hash
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
                         max_blocks: int | None = None) -> list[int]:
-    """The chained hashes of the leading full blocks of `token_ids` (at most `max_blocks`)."""
-    return list(PromptBlockHashes(token_ids, block_size, max_blocks))
+    """The hashes of the leading full blocks of `token_ids` (at most `max_blocks`), in order."""
+    num_blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
+    hasher = BlockHasher()
+    return [hasher.next_block(token_ids[index * block_size:(index + 1) * block_size])
+            for index in range(max(0, num_blocks))]

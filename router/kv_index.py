@@ -6,8 +6,8 @@ once, and the next subscription starts again from a snapshot, so the index canno
 the worker's cache. Every router replica follows every worker the same way, so replicas agree
 on where a prefix is without sharing state.
 
-The index is inverted (block hash -> workers holding it) so that matching a prompt walks the
-prompt's blocks once for all workers, stopping at the first block nobody holds.
+The index is inverted (block hash -> workers holding it) so that matching a prompt probes a
+few of its blocks once for all workers (matched_blocks).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from tandem.common.block_hash import PromptBlockHashes
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.v1 import worker_pb2
@@ -26,11 +27,17 @@ RESUBSCRIBE_MAX_SECONDS = 5.0
 
 
 class KVIndex:
-    """Block hashes per worker address, with each worker's block size."""
+    """Block hashes per worker address, with each worker's block size.
+
+    Each worker followed gets a bit; a hash maps to the bits of the workers holding it, so
+    matching intersects integers, and the index's hundreds of thousands of entries are dicts of
+    plain integers, which Python's cyclic garbage collector does not track or scan.
+    """
 
     def __init__(self) -> None:
-        self._held: dict[str, set[int]] = {}  # address -> hashes it holds
-        self._holders: dict[int, set[str]] = {}  # hash -> addresses holding it
+        self._held: dict[str, dict[int, None]] = {}  # address -> hashes it holds (ordered set)
+        self._holders: dict[int, int] = {}  # hash -> bits of the workers holding it
+        self._bits: dict[str, int] = {}  # address -> its bit, while it holds a set
         self.block_sizes: dict[str, int] = {}  # address -> tokens per block
 
     def apply(self, address: str, message: worker_pb2.SubscribeKVEventsResponse) -> None:
@@ -38,26 +45,32 @@ class KVIndex:
         if message.is_snapshot or message.cleared:
             self.forget(address)
         self.block_sizes[address] = message.block_size
-        held = self._held.setdefault(address, set())
+        held = self._held.setdefault(address, {})
+        bit = self._bit(address)
+        holders = self._holders
         for block_hash in message.evicted_hashes:
             if block_hash in held:
-                held.discard(block_hash)
-                holders = self._holders[block_hash]
-                holders.discard(address)
-                if not holders:
-                    del self._holders[block_hash]
+                del held[block_hash]
+                remaining = holders[block_hash] & ~bit
+                if remaining:
+                    holders[block_hash] = remaining
+                else:
+                    del holders[block_hash]
         for block_hash in message.stored_hashes:
             if block_hash not in held:
-                held.add(block_hash)
-                self._holders.setdefault(block_hash, set()).add(address)
+                held[block_hash] = None
+                holders[block_hash] = holders.get(block_hash, 0) | bit
 
     def forget(self, address: str) -> None:
         """Drops every block of a worker (its stream broke, or it left the pool)."""
+        bit = self._bits.pop(address, 0)
+        holders = self._holders
         for block_hash in self._held.pop(address, ()):
-            holders = self._holders[block_hash]
-            holders.discard(address)
-            if not holders:
-                del self._holders[block_hash]
+            remaining = holders[block_hash] & ~bit
+            if remaining:
+                holders[block_hash] = remaining
+            else:
+                del holders[block_hash]
         self.block_sizes.pop(address, None)
 
     def num_blocks(self, address: str) -> int:
@@ -68,30 +81,71 @@ class KVIndex:
         """Distinct block hashes held by any worker."""
         return len(self._holders)
 
-    def matched_blocks(self, prompt_hashes: Iterable[int], addresses: Iterable[str]
+    def _bit(self, address: str) -> int:
+        """The address's bit: the lowest one no other followed worker has."""
+        bit = self._bits.get(address)
+        if bit is None:
+            taken = 0
+            for other in self._bits.values():
+                taken |= other
+            bit = self._bits[address] = ~taken & (taken + 1)
+        return bit
+
+    def matched_blocks(self, prompt: PromptBlockHashes, addresses: Iterable[str]
                        ) -> dict[str, int]:
-        """For each address: how many leading blocks of the prompt (given by their chained
-        hashes) it holds. Walks the prompt once for all addresses and reads no hash past the
-        first block none of them holds (PromptBlockHashes computes only the hashes read)."""
+        """For each address: how many leading blocks of the prompt it holds.
+
+        A worker's cache holds a prefix's blocks before its later ones: it frees a sequence's
+        tail blocks first, and a block in use keeps every block before it in use. So the
+        workers holding block k are among those holding block k - 1, and each worker's count
+        is found by bisection over block counts: the first block, the last, then the middle of
+        every range where the set of holders changes. A prompt held whole costs two probes; K
+        distinct counts cost about K * log2(blocks). A hole in a worker's prefix that no probe
+        lands on goes unseen, and the count runs past it (the worker then serves less than
+        predicted).
+        """
         matched = dict.fromkeys(addresses, 0)
-        alive = {address for address in matched if address in self._held}
-        num_matched = 0
-        if alive:
-            for block_hash in prompt_hashes:
-                holders = self._holders.get(block_hash)
-                if holders is None:
-                    break
-                if not alive <= holders:
-                    still = alive & holders
-                    for address in alive - still:
-                        matched[address] = num_matched
-                    alive = still
-                    if not alive:
-                        break
-                num_matched += 1
-        for address in alive:
-            matched[address] = num_matched
+        alive = 0
+        for address in matched:
+            alive |= self._bits.get(address, 0)
+        num_blocks = len(prompt)
+        if not alive or num_blocks == 0:
+            return matched
+        holders = self._holders
+        at_first = holders.get(prompt.hash_of(1), 0) & alive
+        if not at_first:
+            return matched
+        at_last = holders.get(prompt.hash_of(num_blocks), 0) & at_first
+        counts: dict[int, int] = {}  # bit -> blocks
+        _count(counts, at_last, num_blocks)
+        # Ranges (lo, holders of block lo, hi, holders of block hi; sets as bits): the workers
+        # of the first set outside the second hold lo blocks and fewer than hi. A worker with a
+        # hole in its prefix may be counted in two ranges: the lower count is what it serves.
+        ranges = [(1, at_first, num_blocks, at_last)]
+        while ranges:
+            lo, at_lo, hi, at_hi = ranges.pop()
+            if at_lo == at_hi:  # at_hi is a subset of at_lo
+                continue
+            if hi - lo == 1:
+                _count(counts, at_lo & ~at_hi, lo)
+                continue
+            mid = (lo + hi) // 2
+            at_mid = holders.get(prompt.hash_of(mid), 0) & at_lo
+            ranges.append((mid, at_mid, hi, at_hi & at_mid))
+            ranges.append((lo, at_lo, mid, at_mid))
+        for address in matched:
+            bit = self._bits.get(address)
+            if bit in counts:
+                matched[address] = counts[bit]
         return matched
+
+
+def _count(counts: dict[int, int], bits: int, num_blocks: int) -> None:
+    """Records num_blocks for each worker bit in `bits`, unless one is lower already."""
+    while bits:
+        bit = bits & -bits
+        counts[bit] = min(counts.get(bit, num_blocks), num_blocks)
+        bits ^= bit
 
 
 class KVEventFeed:

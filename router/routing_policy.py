@@ -11,7 +11,7 @@ router's own then (other routers' and direct clients'), plus its KV pressure (KV
 half, up to one request at full). A reading counts this router's requests once: the live count
 already holds them, and a stale reading of them would keep a drained worker avoided until the
 next poll. `hit` is the fraction of the prompt's tokens the worker would serve from its prefix
-cache, predicted from the router's KVIndex with the workers' own chained block hash. The
+cache, predicted from the router's KVIndex with the workers' own block hash. The
 lowest cost wins; among equal costs the worker picked longest ago wins, so workers with equal
 load share uniform traffic evenly, whatever subsets of them tie.
 
@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from tandem.common.block_hash import PromptBlockHashes
 from tandem.common.metrics import RouterMetrics
 from tandem.router.kv_index import KVEventFeed, KVIndex
-from tandem.router.recent_prompts import RecentPrompts
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_CACHE_WEIGHT = 8.0
@@ -48,8 +47,8 @@ class RoutingNote:
 
     predicted_cached_tokens: int = 0
     reason: str = ""
-    # The prompt's block hashes by block size, computed once per request as far as a pick
-    # reads them (every pick of a request, prefill and decode, reuses and extends them).
+    # The prompt's block hashes by block size, each computed when a pick first probes it
+    # (every pick of a request, prefill and decode, reuses and extends them).
     prompt_hashes: dict[int, PromptBlockHashes] = field(default_factory=dict)
 
 
@@ -66,7 +65,6 @@ class RoutingPolicy:
         self.metrics = metrics
         self.index = KVIndex()
         self.feed = KVEventFeed(self.index, metrics)
-        self.recent_prompts = RecentPrompts()  # hashes a re-sent history only past its end
         self._turn = itertools.count()  # round-robin
         self._picks = itertools.count()
         self._last_picked: dict[str, int] = {}  # address -> the number of its latest pick
@@ -119,9 +117,8 @@ class RoutingPolicy:
         for block_size, positions in by_block_size.items():
             hashes = note.prompt_hashes.get(block_size) if note is not None else None
             if hashes is None:
-                hashes = self.recent_prompts.hashes(
-                    prompt_token_ids, block_size,
-                    max_blocks=(len(prompt_token_ids) - 1) // block_size)
+                hashes = PromptBlockHashes(prompt_token_ids, block_size,
+                                           max_blocks=(len(prompt_token_ids) - 1) // block_size)
                 if note is not None:
                     note.prompt_hashes[block_size] = hashes
             matched = self.index.matched_blocks(

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from tandem.common.block_hash import compute_block_hash
+from tandem.common.block_hash import BlockHasher
 from tandem.workers.engine.sequence import Sequence
 
 
@@ -16,7 +16,7 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0  # live sequences whose block_table holds this block
-        self.hash: int | None = None  # chained hash of its full, computed contents
+        self.hash: int | None = None  # hash of its full, computed contents and all before
         self.token_ids: tuple[int, ...] | None = None  # kept to verify hits (hash collisions)
 
     def __repr__(self) -> str:
@@ -30,7 +30,7 @@ class BlockManager:
 
         tokens       t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .
         block_table  [    7      ,     2       ,    11     ]
-        block_hashes [   h0      ,  h1=H(h0,.) ]             <- full blocks whose KV is computed
+        block_hashes [ h0=H(t0..t3), h1=H(t0..t7) ]          <- full blocks whose KV is computed
 
     Invariants (check_invariants asserts them):
       * a block is in the free pool  <=>  its ref_count == 0;
@@ -57,6 +57,10 @@ class BlockManager:
         # stored(hash), evicted(hash), cleared() when all leave at once (workers/kv_events.py
         # publishes them). None: nobody is.
         self.cache_listener = None
+        # seq_id -> (its blocks hashed so far, the running hash past them): a sequence that
+        # fills another block hashes only that block, not its whole prefix again. Dropped when
+        # the sequence's blocks are freed.
+        self._running_hashes: dict[int, tuple[int, BlockHasher]] = {}
         # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -118,10 +122,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_computed_full = seq.num_computed_tokens // self.block_size
-        for index in range(len(seq.block_hashes), num_computed_full):
-            prev_hash = seq.block_hashes[-1] if seq.block_hashes else None
+        num_hashed = len(seq.block_hashes)
+        if num_hashed >= num_computed_full:
+            return
+        kept_blocks, hasher = self._running_hashes.get(seq.seq_id, (-1, None))
+        if kept_blocks != num_hashed:
+            hasher = BlockHasher(seq.token_ids[:num_hashed * self.block_size])
+        self._running_hashes[seq.seq_id] = num_computed_full, hasher
+        for index in range(num_hashed, num_computed_full):
             token_ids = tuple(seq.block_token_ids(index, self.block_size))
-            block_hash = compute_block_hash(prev_hash, token_ids)
+            block_hash = hasher.next_block(token_ids)
             block = self.blocks[seq.block_table[index]]
             block.hash, block.token_ids = block_hash, token_ids
             seq.block_hashes.append(block_hash)
@@ -144,6 +154,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None  # keeps its hash: still hittable
         seq.block_table = []
         seq.block_hashes = []
+        self._running_hashes.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 
@@ -173,16 +184,15 @@ class BlockManager:
         hit_hashes: list[int] = []
         if not self.enable_prefix_caching:
             return hit_block_ids, hit_hashes
-        prev_hash = None
+        hasher = BlockHasher()
         for index in range((seq.num_tokens - 1) // self.block_size):
             token_ids = tuple(seq.block_token_ids(index, self.block_size))
-            block_hash = compute_block_hash(prev_hash, token_ids)
+            block_hash = hasher.next_block(token_ids)
             block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break  # a miss (or a hash collision) ends the shared prefix
             hit_block_ids.append(block_id)
             hit_hashes.append(block_hash)
-            prev_hash = block_hash
         return hit_block_ids, hit_hashes
 
     def _num_blocks_to_allocate(self, seq: Sequence, hit_block_ids: list[int]) -> int:

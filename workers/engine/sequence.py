@@ -77,7 +77,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        # Chained hashes of this sequence's full blocks whose KV is computed, in order; owned by
+        # Hashes of this sequence's full blocks whose KV is computed, in order; owned by
         # the block manager (prefix caching), reset whenever the blocks are freed.
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (prefix hits included)

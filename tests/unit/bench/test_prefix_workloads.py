@@ -83,6 +83,23 @@ def test_chat_resends_each_conversations_history_with_the_real_replies():
     assert len(first_turns) == 3
 
 
+def test_chat_with_a_shared_system_prompt_starts_every_conversation_with_it():
+    servicer = OneWorkerCache()
+    with serve_generate(servicer) as address:
+        result = run_benchmark(BenchmarkConfig(
+            router=address, workload="chat", conversations=3, turns=3, system_prompt_len=40,
+            shared_system_prompt=True, input_len="20", output_len="8", think_time_s=0.01))
+    assert result.stats["num_ok"] == 9
+    assert len({tuple(prompt[:40]) for prompt in servicer.prompts}) == 1
+    assert len({tuple(prompt[:60]) for prompt in servicer.prompts}) == 3  # own user messages
+    # Every turn after the first reply reuses at least the system prompt's full blocks.
+    ideals = sorted(r.ideal_cached_tokens for r in result.records)
+    assert ideals[0] == 0 and ideals[-1] > 32
+    assert result.stats["total_cached_prompt_tokens"] >= result.stats[
+        "ideal_cached_prompt_tokens"] >= 6 * 32
+    assert "shared system prompts" in result.config.load_shape()
+
+
 def test_shared_prefix_groups_share_their_prefix():
     servicer = OneWorkerCache()
     with serve_generate(servicer) as address:

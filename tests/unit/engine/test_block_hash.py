@@ -1,8 +1,10 @@
-"""The chained block hash in common/: the router's prefix hashes are the worker's cache keys,
+"""The block hash in common/: the router's prefix hashes are the worker's cache keys,
 and the block manager tells its listener about every key it gains or loses."""
 from __future__ import annotations
 
-from tandem.common.block_hash import PromptBlockHashes, compute_block_hash, prefix_block_hashes
+import pytest
+
+from tandem.common.block_hash import BlockHasher, PromptBlockHashes, prefix_block_hashes
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.sequence import Sequence
@@ -39,10 +41,11 @@ def test_prefix_hashes_are_the_block_managers_cache_keys():
     assert prefix_block_hashes([1, 2, 3], 4) == []
 
 
-def test_prefix_hashes_chain_on_the_blocks_before():
+def test_a_block_hash_covers_every_token_up_to_the_blocks_end():
     first = prefix_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    assert first[0] == compute_block_hash(None, [1, 2, 3, 4])
-    assert first[1] == compute_block_hash(first[0], [5, 6, 7, 8])
+    hasher = BlockHasher()
+    assert first == [hasher.next_block([1, 2, 3, 4]), hasher.next_block([5, 6, 7, 8])]
+    assert first[1] == prefix_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 8)[0]
     assert prefix_block_hashes([0, 0, 0, 0, 5, 6, 7, 8], 4)[1] != first[1]
 
 
@@ -75,41 +78,43 @@ def test_a_duplicate_block_is_not_stored_twice():
     assert recorder.events == [("stored", a.block_hashes[0])]
 
 
-def test_prefix_hashes_equal_the_one_block_hash_chained_at_every_block_size():
+def test_prefix_hashes_equal_the_block_hasher_at_every_block_size():
     token_ids = [(i * 7919) % 50_000 for i in range(300)]
     for block_size in (1, 4, 16, 32):
-        expected, prev_hash = [], None
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            prev_hash = compute_block_hash(prev_hash, token_ids[start:start + block_size])
-            expected.append(prev_hash)
+        hasher = BlockHasher()
+        expected = [hasher.next_block(token_ids[start:start + block_size])
+                    for start in range(0, len(token_ids) - block_size + 1, block_size)]
         assert prefix_block_hashes(token_ids, block_size) == expected
         assert prefix_block_hashes(token_ids, block_size, max_blocks=5) == expected[:5]
         assert prefix_block_hashes(token_ids, block_size, max_blocks=0) == []
 
 
-def test_prompt_hashes_are_computed_as_far_as_they_are_read_and_kept():
+def test_prompt_hashes_are_probed_in_any_order_and_kept():
     token_ids = [(i * 7919) % 50_000 for i in range(400)]
     expected = prefix_block_hashes(token_ids, 4)
     hashes = PromptBlockHashes(token_ids, 4, max_blocks=90)
-    assert len(hashes) == 90 and hashes.hashes == []
-    assert next(iter(hashes)) == expected[0]
-    assert 1 <= len(hashes.hashes) < 20  # one run of blocks, not the prompt
-    assert list(zip(range(30), hashes)) == list(enumerate(expected[:30]))
-    assert list(hashes) == expected[:90] and hashes.hashes == expected[:90]
+    assert len(hashes) == 90 and hashes.probed == {}
+    for count in (90, 1, 45, 44, 46, 89, 2, 45):
+        assert hashes.hash_of(count) == expected[count - 1]
+    assert sorted(hashes.probed) == [1, 2, 44, 45, 46, 89, 90]
+    assert [hashes.hash_of(count) for count in range(1, 91)] == expected[:90]
+    for count in (0, 91):
+        with pytest.raises(IndexError):
+            hashes.hash_of(count)
 
 
-def test_a_reset_forgets_every_cached_block_and_tells_the_listener():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    recorder = Recorder()
-    bm.cache_listener = recorder
-    done = computed(bm, range(9))  # 2 cached blocks, freed below
-    bm.free(done)
-    running = computed(bm, range(100, 109))  # 2 cached blocks a live sequence still holds
-    assert bm.reset_prefix_cache() == 4
-    assert recorder.events[-1] == ("cleared", None) and bm.hash_to_block_id == {}
-    bm.check_invariants([running])
-    again = Sequence(list(range(9)), SamplingParams())
-    bm.allocate(again)
-    assert again.num_cached_tokens == 0  # the freed prompt's blocks are gone
-    running.num_computed_tokens = running.num_tokens
-    bm.check_invariants([running, again])
+def test_a_growing_sequence_hashes_its_new_blocks_as_the_router_does():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    seq = computed(bm, range(10))
+    for token in range(100, 118):  # decode: one token per step, five more blocks filled
+        bm.append_slots(seq, 1)
+        seq.append_token(token)
+        seq.num_computed_tokens = seq.num_tokens - 1  # the newest token's KV comes next step
+        bm.cache_computed_blocks(seq)
+    assert seq.block_hashes == prefix_block_hashes(seq.token_ids, 4)[:len(seq.block_hashes)]
+    assert len(seq.block_hashes) == (seq.num_tokens - 1) // 4
+    bm.free(seq)  # preempted: computed again from its cached prefix
+    again = computed(bm, seq.token_ids)
+    assert again.block_hashes == prefix_block_hashes(seq.token_ids, 4)
+    bm.free(again)
+    assert bm._running_hashes == {}

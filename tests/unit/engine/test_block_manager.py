@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.common.block_hash import BlockHasher
 from tandem.common.sampling_params import SamplingParams
-from tandem.workers.engine import block_manager as block_manager_module
-from tandem.workers.engine.block_manager import BlockManager, compute_block_hash
+from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.sequence import Sequence
 
 
@@ -28,16 +28,19 @@ def allocate_succeeds(bm: BlockManager, seq: Sequence) -> bool:
     return True
 
 
-# -- compute_block_hash ------------------------------------------------------------------------
+# -- block hashes ------------------------------------------------------------------------------
 
-def test_block_hash_is_chained_and_pinned():
-    h0 = compute_block_hash(None, [1, 2, 3, 4])
+def test_block_hash_covers_every_token_so_far_and_is_pinned():
+    hasher = BlockHasher()
+    h0 = hasher.next_block([1, 2, 3, 4])
     # Pinned: the value must not depend on the process (PYTHONHASHSEED) or the Python version.
-    assert h0 == compute_block_hash(None, (1, 2, 3, 4)) == 0x7E962A1CDA153C0C
+    assert h0 == BlockHasher().next_block((1, 2, 3, 4)) == 0x6DC848B0E200E273
     assert 0 <= h0 < 2**64
-    assert compute_block_hash(h0, [5, 6, 7, 8]) != compute_block_hash(None, [5, 6, 7, 8])
-    assert compute_block_hash(0, [1, 2, 3, 4]) != h0  # parent hash 0 is not "no parent"
-    assert compute_block_hash(None, [1, 2, 3, 5]) != h0
+    h1 = hasher.next_block([5, 6, 7, 8])
+    assert h1 != BlockHasher().next_block([5, 6, 7, 8])  # the block before counts
+    assert h1 == BlockHasher([1, 2, 3, 4]).next_block([5, 6, 7, 8])
+    assert h1 == BlockHasher().next_block(range(1, 9))  # whatever the block size
+    assert BlockHasher().next_block([1, 2, 3, 5]) != h0
 
 
 # -- construction ------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def test_hit_on_freed_block_that_keeps_its_hash():
 
 def test_hash_collision_is_not_a_hit(monkeypatch):
     # Every block hashes alike, so only the token check can tell blocks apart.
-    monkeypatch.setattr(block_manager_module, "compute_block_hash", lambda prev, tokens: 42)
+    monkeypatch.setattr(BlockHasher, "next_block", lambda self, tokens: 42)
     bm = BlockManager(num_blocks=10, block_size=4)
     a = make_seq(range(10))
     bm.allocate(a)

@@ -1,11 +1,12 @@
 """The router's KV index and routing policies, on plain worker records (no processes)."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
 
-from tandem.common.block_hash import prefix_block_hashes
+from tandem.common.block_hash import PromptBlockHashes, prefix_block_hashes
 from tandem.router.kv_index import KVIndex
 from tandem.router.routing_policy import RoutingNote, RoutingPolicy
 from tandem.v1 import worker_pb2
@@ -34,17 +35,22 @@ def hold(policy: RoutingPolicy, worker: Worker, token_ids) -> None:
 PROMPT = list(range(100, 141))  # 41 tokens: 10 blocks to look up
 
 
+def lookup(token_ids) -> PromptBlockHashes:
+    """The prompt's blocks a worker looks up: all full blocks but a last token to compute."""
+    return PromptBlockHashes(token_ids, BLOCK, max_blocks=(len(token_ids) - 1) // BLOCK)
+
+
 def test_index_matches_leading_blocks_per_worker():
     index = KVIndex()
     hashes = prefix_block_hashes(PROMPT, BLOCK)
     index.apply("a", snapshot(hashes[:3]))
     index.apply("b", snapshot(hashes[:7] + [123]))
     index.apply("c", snapshot(hashes[1:]))  # no first block: nothing usable
-    assert index.matched_blocks(hashes, ["a", "b", "c", "d"]) == {"a": 3, "b": 7, "c": 0,
-                                                                  "d": 0}
+    assert index.matched_blocks(lookup(PROMPT), ["a", "b", "c", "d"]) == {
+        "a": 3, "b": 7, "c": 0, "d": 0}
     index.apply("b", worker_pb2.SubscribeKVEventsResponse(block_size=BLOCK,
                                                           evicted_hashes=[hashes[2]]))
-    assert index.matched_blocks(hashes, ["a", "b"]) == {"a": 3, "b": 2}
+    assert index.matched_blocks(lookup(PROMPT), ["a", "b"]) == {"a": 3, "b": 2}
     index.apply("a", snapshot([]))  # a fresh snapshot replaces what was known
     assert index.num_blocks("a") == 0
     index.forget("b")
@@ -52,7 +58,46 @@ def test_index_matches_leading_blocks_per_worker():
     assert index.num_hashes == 0 and index.block_sizes == {"a": BLOCK}
 
 
-def test_matching_hashes_the_prompt_only_as_far_as_some_worker_holds_it():
+@pytest.mark.parametrize("seed", range(20))
+def test_index_matches_each_workers_prefix_as_a_walk_over_every_block_would(seed):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1000) for _ in range(rng.randrange(1, 300))]
+    hashes = prefix_block_hashes(prompt, BLOCK)
+    index, expected, with_hole = KVIndex(), {}, set()
+    for address in "abcdefgh":
+        count = rng.choice([0, len(hashes), rng.randrange(len(hashes) + 1)])
+        held = hashes[:count]
+        if held and rng.random() < 0.3:  # a hole: the worker serves the blocks before it
+            hole = rng.randrange(len(held))
+            held, count = held[:hole] + held[hole + 1:], hole
+            with_hole.add(address)
+        index.apply(address, snapshot(held + [rng.getrandbits(64)]))
+        expected[address] = min(count, (len(prompt) - 1) // BLOCK)
+    matched = index.matched_blocks(lookup(prompt), list("abcdefgh"))
+    for address, count in matched.items():
+        if address in with_hole:
+            assert count >= expected[address]  # a hole no probe lands on goes unseen
+        else:
+            assert count == expected[address]
+
+
+def test_index_matching_probes_few_blocks():
+    index = KVIndex()
+    prompt = list(range(1000, 1401))  # 100 blocks to look up
+    hashes = prefix_block_hashes(prompt, BLOCK)
+    index.apply("whole", snapshot(hashes))
+    probes = lookup(prompt)
+    assert index.matched_blocks(probes, ["whole"]) == {"whole": 100}
+    assert sorted(probes.probed) == [1, 100]  # the first block and the last
+    for address, count in (("a", 3), ("b", 40), ("c", 41), ("d", 77)):
+        index.apply(address, snapshot(hashes[:count]))
+    probes = lookup(prompt)
+    assert index.matched_blocks(probes, ["whole", "a", "b", "c", "d"]) == {
+        "whole": 100, "a": 3, "b": 40, "c": 41, "d": 77}
+    assert len(probes.probed) <= 4 * 7 + 2  # log2(100) rounded up, per distinct count
+
+
+def test_matching_hashes_only_the_blocks_it_probes():
     policy = RoutingPolicy("cache-aware")
     workers = [Worker("a"), Worker("b")]
     long_prompt = list(range(1000, 1401))  # 100 blocks to look up
@@ -61,18 +106,21 @@ def test_matching_hashes_the_prompt_only_as_far_as_some_worker_holds_it():
     assert policy.pick(workers, long_prompt, note) is workers[0]
     assert note.predicted_cached_tokens == 12
     hashes = note.prompt_hashes[BLOCK]
-    assert len(hashes) == 100 and len(hashes.hashes) < 20
-    hold(policy, workers[1], long_prompt)  # the decode tier's pick reads on from there
+    assert len(hashes) == 100 and len(hashes.probed) <= 9
+    hold(policy, workers[1], long_prompt)  # the decode tier's pick probes on from there
     assert policy.predicted_cached_tokens(workers, long_prompt, note) == [12, 400]
-    assert hashes.hashes == prefix_block_hashes(long_prompt, BLOCK)[:100]
+    expected = prefix_block_hashes(long_prompt, BLOCK)
+    assert all(hashes.hash_of(count) == expected[count - 1] for count in hashes.probed)
 
 
 def test_cleared_drops_everything_before_its_stored_hashes():
     index = KVIndex()
-    index.apply("a", snapshot([1, 2, 3]))
+    hashes = prefix_block_hashes(PROMPT, BLOCK)
+    index.apply("a", snapshot(hashes[:3]))
     index.apply("a", worker_pb2.SubscribeKVEventsResponse(block_size=BLOCK, cleared=True,
-                                                          stored_hashes=[9]))
-    assert index.num_blocks("a") == 1 and index.matched_blocks([9], ["a"]) == {"a": 1}
+                                                          stored_hashes=hashes[:1]))
+    assert index.num_blocks("a") == 1
+    assert index.matched_blocks(lookup(PROMPT), ["a"]) == {"a": 1}
 
 
 def test_cache_aware_sends_a_prompt_where_its_prefix_is():
