@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="burst: rounds of unloaded run, burst, burst against the stand-in")
     p.add_argument("--client-processes", type=int, default=4,
                    help="burst: client processes sending each burst's calls together")
+    p.add_argument("--router-processes", type=int, default=1,
+                   help="burst: `tandem up --router-processes` (each takes its share of the "
+                        "cap and of the burst's connections)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--refusal-budget-ms", type=float, default=50.0)
@@ -223,7 +226,8 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
     spans_ms: list[float] = []
     load_before = os.getloadavg()[0]
     stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
-                     "--max-queue", "0"], log_dir)
+                     "--max-queue", "0", "--router-processes", str(args.router_processes)],
+                    log_dir)
     try:
         with InstantRefuserProcess() as stand_in:
             buckets_before = refusal_buckets(stack.router.metrics_address)
@@ -251,7 +255,7 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
     errors = [f"{call.code}: {call.details}" for call in burst.failed + alone.failed]
     numbers = {
         "max_concurrency": cap, "burst_size": BURST_FACTOR * cap, "rounds": args.rounds,
-        "client_processes": args.client_processes,
+        "client_processes": args.client_processes, "router_processes": args.router_processes,
         "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "refused": len(refusals_ms), "admitted": len(burst.completed), "errors": errors[:10],
         "burst_send_span_ms_max": max(spans_ms),
