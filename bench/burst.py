@@ -62,6 +62,14 @@ class BurstOutcome:
         sent = [c.sent for c in self.calls]
         return (max(sent) - min(sent)) * 1000 if sent else 0.0
 
+    @property
+    def refusal_span_ms(self) -> float:
+        """From the first call sent to the last refusal received: how long the server and
+        the clients took to get through the burst's excess."""
+        if not self.refused:
+            return 0.0
+        return (max(c.ended for c in self.refused) - min(c.sent for c in self.calls)) * 1000
+
 
 def run_burst(address: str, prompts: list[list[int]], max_tokens: int,
               num_processes: int = 4, on_phase=None) -> BurstOutcome:

@@ -224,6 +224,8 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
     loaded: list[CallOutcome] = []
     floor: list[CallOutcome] = []
     spans_ms: list[float] = []
+    refusal_spans_ms: list[float] = []
+    floor_spans_ms: list[float] = []
     load_before = os.getloadavg()[0]
     stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
                      "--max-queue", "0", "--router-processes", str(args.router_processes)],
@@ -238,8 +240,11 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
                                      args.client_processes)
                 loaded += outcome.calls
                 spans_ms.append(outcome.send_span_ms)
-                floor += send_burst(stand_in.address, prompts, args.max_tokens,
-                                    args.client_processes).calls
+                refusal_spans_ms.append(outcome.refusal_span_ms)
+                floor_outcome = send_burst(stand_in.address, prompts, args.max_tokens,
+                                           args.client_processes)
+                floor += floor_outcome.calls
+                floor_spans_ms.append(floor_outcome.refusal_span_ms)
                 print(f"burst: round {round_index + 1}/{args.rounds}: "
                       f"{len(outcome.refused)} refused, {len(outcome.completed)} admitted, "
                       f"sent over {outcome.send_span_ms:.1f} ms", file=sys.stderr, flush=True)
@@ -259,6 +264,8 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
         "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
         "refused": len(refusals_ms), "admitted": len(burst.completed), "errors": errors[:10],
         "burst_send_span_ms_max": max(spans_ms),
+        "burst_refusal_span_ms_max": max(refusal_spans_ms),
+        "floor_refusal_span_ms_max": max(floor_spans_ms),
         "refusal_ms_max": max(refusals_ms, default=None),
         "refusal_ms_p99": percentile(refusals_ms, 99),
         "refusal_ms_p50": percentile(refusals_ms, 50),
