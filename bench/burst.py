@@ -43,6 +43,7 @@ class CallOutcome:
 @dataclass(frozen=True)
 class BurstOutcome:
     calls: list[CallOutcome]
+    client_cpu_seconds: float = 0.0  # the client processes' CPU from the start to the last end
 
     @property
     def refused(self) -> list[CallOutcome]:
@@ -89,13 +90,16 @@ def run_burst(address: str, prompts: list[list[int]], max_tokens: int,
     for child in children:
         child.start()
     calls: list[CallOutcome] = []
+    client_cpu_seconds = 0.0
     try:
         start.wait(START_TIMEOUT_SECONDS)  # every child has dialed its channels
         if on_phase is not None:
             on_phase("start")
         start.wait(START_TIMEOUT_SECONDS)  # the calls go out
         for _ in children:
-            calls += results.get(timeout=START_TIMEOUT_SECONDS + 600)
+            share_calls, share_cpu_seconds = results.get(timeout=START_TIMEOUT_SECONDS + 600)
+            calls += share_calls
+            client_cpu_seconds += share_cpu_seconds
         if on_phase is not None:
             on_phase("end")
         end.wait(START_TIMEOUT_SECONDS)
@@ -104,7 +108,7 @@ def run_burst(address: str, prompts: list[list[int]], max_tokens: int,
             child.join(10)
             if child.is_alive():
                 child.kill()
-    return BurstOutcome(calls)
+    return BurstOutcome(calls, client_cpu_seconds)
 
 
 def _client_process(address: str, prompts: list[list[int]], max_tokens: int, start, end,
@@ -121,9 +125,10 @@ async def _send_share(address: str, prompts: list[list[int]], max_tokens: int, s
         await asyncio.gather(*(client.model_info() for client in clients))
         await asyncio.to_thread(start.wait, START_TIMEOUT_SECONDS)
         await asyncio.to_thread(start.wait, START_TIMEOUT_SECONDS)
+        started_cpu = time.process_time()
         calls = await asyncio.gather(*(_one_call(client, prompt, max_tokens)
                                        for client, prompt in zip(clients, prompts)))
-        results.put(list(calls))
+        results.put((list(calls), time.process_time() - started_cpu))
         await asyncio.to_thread(end.wait, START_TIMEOUT_SECONDS)
     finally:
         await asyncio.gather(*(client.close() for client in clients))

@@ -225,6 +225,7 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
     floor: list[CallOutcome] = []
     spans_ms: list[float] = []
     refusal_spans_ms: list[float] = []
+    client_cpu_seconds = 0.0
     floor_spans_ms: list[float] = []
     load_before = os.getloadavg()[0]
     stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
@@ -245,6 +246,7 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
                                            args.client_processes)
                 floor += floor_outcome.calls
                 floor_spans_ms.append(floor_outcome.refusal_span_ms)
+                client_cpu_seconds += floor_outcome.client_cpu_seconds
                 print(f"burst: round {round_index + 1}/{args.rounds}: "
                       f"{len(outcome.refused)} refused, {len(outcome.completed)} admitted, "
                       f"sent over {outcome.send_span_ms:.1f} ms", file=sys.stderr, flush=True)
@@ -265,6 +267,7 @@ def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict
         "refused": len(refusals_ms), "admitted": len(burst.completed), "errors": errors[:10],
         "burst_send_span_ms_max": max(spans_ms),
         "burst_refusal_span_ms_max": max(refusal_spans_ms),
+        "floor_client_cpu_ms_per_call": client_cpu_seconds * 1000 / len(floor),
         "floor_refusal_span_ms_max": max(floor_spans_ms),
         "refusal_ms_max": max(refusals_ms, default=None),
         "refusal_ms_p99": percentile(refusals_ms, 99),

@@ -38,9 +38,10 @@ NUM_HELD = 16  # the router's --max-concurrency, filled before the bursts
 
 
 def refusals(address: str, pid: int, bursts: list[list], num_processes: int
-             ) -> tuple[list[float], float, list[float]]:
-    """(client ms to each refusal, server CPU seconds over the calls, send spans in ms)."""
-    times, cpu, spans = [], 0.0, []
+             ) -> tuple[list[float], float, list[float], float]:
+    """(client ms to each refusal, server CPU seconds over the calls, send spans in ms,
+    client CPU seconds over the calls)."""
+    times, cpu, spans, client_cpu = [], 0.0, [], 0.0
     for prompts in bursts:
         marks = {}
         outcome = run_burst(address, prompts, 64, num_processes,
@@ -50,11 +51,14 @@ def refusals(address: str, pid: int, bursts: list[list], num_processes: int
         times += [call.elapsed_ms for call in outcome.refused]
         cpu += marks["end"] - marks["start"]
         spans.append(outcome.send_span_ms)
-    return times, cpu, spans
+        client_cpu += outcome.client_cpu_seconds
+    return times, cpu, spans, client_cpu
 
 
-def summary(name: str, times: list[float], cpu: float, spans: list[float]) -> str:
-    return (f"{name}: {len(times)} refused; CPU {cpu / len(times) * 1000:.3f} ms per refusal; "
+def summary(name: str, times: list[float], cpu: float, spans: list[float],
+            client_cpu: float) -> str:
+    return (f"{name}: {len(times)} refused; CPU {cpu / len(times) * 1000:.3f} ms per refusal "
+            f"(clients {client_cpu / len(times) * 1000:.3f}); "
             f"client ms p50 {np.percentile(times, 50):.1f} p99 {np.percentile(times, 99):.1f} "
             f"max {max(times):.1f}; bursts sent over {np.mean(spans):.1f} ms on average")
 
@@ -105,9 +109,9 @@ def main() -> None:
               flush=True)
         for kind, bursts in (("token_ids", token_bursts), ("text", text_bursts)):
             before = refusal_buckets(metrics_address)
-            times, cpu, spans = refusals(address, router.pid, bursts, args.client_processes)
+            measured = refusals(address, router.pid, bursts, args.client_processes)
             after = refusal_buckets(metrics_address)
-            print(summary(f"router {kind}", times, cpu, spans), flush=True)
+            print(summary(f"router {kind}", *measured), flush=True)
             print(f"  tandem:refusal_seconds: p50 <= "
                   f"{bucket_quantile(before, after, 0.5) * 1000:.2f} ms, p99 <= "
                   f"{bucket_quantile(before, after, 0.99) * 1000:.2f} ms", flush=True)
@@ -120,9 +124,9 @@ def main() -> None:
         worker_process.join(10)
         os.unlink(token_file.name)
     with InstantRefuserProcess() as stand_in:
-        times, cpu, spans = refusals(stand_in.address, stand_in.pid, token_bursts,
-                                     args.client_processes)
-    print(summary("stand-in token_ids", times, cpu, spans), flush=True)
+        measured = refusals(stand_in.address, stand_in.pid, token_bursts,
+                            args.client_processes)
+    print(summary("stand-in token_ids", *measured), flush=True)
     print(f"load {os.getloadavg()[0]:.1f}", flush=True)
 
 

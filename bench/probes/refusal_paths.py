@@ -104,7 +104,7 @@ def measure(way: str, bursts: list[list[list[int]]], num_processes: int) -> str:
     try:
         if not ready.wait(60):
             raise RuntimeError(f"the {way} server did not start")
-        times, cpu = [], 0.0
+        times, cpu, client_cpu = [], 0.0, 0.0
         for prompts in bursts:
             marks = {}
             outcome = run_burst(f"127.0.0.1:{port}", prompts, 64, num_processes,
@@ -114,10 +114,12 @@ def measure(way: str, bursts: list[list[list[int]]], num_processes: int) -> str:
                 raise RuntimeError(f"{way}: not every call was refused: {outcome.calls[:3]}")
             times += [call.elapsed_ms for call in outcome.refused]
             cpu += marks["end"] - marks["start"]
+            client_cpu += outcome.client_cpu_seconds
     finally:
         server.terminate()
         server.join(10)
-    return (f"{way:<20} CPU {cpu / len(times) * 1000:.3f} ms per refusal; client ms p50 "
+    return (f"{way:<20} CPU {cpu / len(times) * 1000:.3f} ms per refusal (clients "
+            f"{client_cpu / len(times) * 1000:.3f}); client ms p50 "
             f"{np.percentile(times, 50):.1f} p99 {np.percentile(times, 99):.1f}; "
             f"load {os.getloadavg()[0]:.1f}")
 
