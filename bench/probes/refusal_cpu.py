@@ -112,9 +112,11 @@ def main() -> None:
             measured = refusals(address, router.pid, bursts, args.client_processes)
             after = refusal_buckets(metrics_address)
             print(summary(f"router {kind}", *measured), flush=True)
-            print(f"  tandem:refusal_seconds: p50 <= "
-                  f"{bucket_quantile(before, after, 0.5) * 1000:.2f} ms, p99 <= "
-                  f"{bucket_quantile(before, after, 0.99) * 1000:.2f} ms", flush=True)
+            bounds = [bucket_quantile(before, after, q) for q in (0.5, 0.99)]
+            print("  tandem:refusal_seconds: " + (
+                "not exported" if None in bounds else
+                f"p50 <= {bounds[0] * 1000:.2f} ms, p99 <= {bounds[1] * 1000:.2f} ms"),
+                flush=True)
     finally:
         stop.set()
         holder.join(30)
