@@ -133,9 +133,10 @@ class RouterMetrics(_Metrics):
             FINE_SECONDS_BUCKETS)
         self.refusal_time = self._histogram(
             "tandem:refusal_seconds",
-            "Calls refused RESOURCE_EXHAUSTED at admission (the router full): from the "
-            "request handler starting to the refusal handed to gRPC (the time the call spent "
-            "in gRPC before its handler started is not in it).", REFUSAL_SECONDS_BUCKETS)
+            "Requests refused RESOURCE_EXHAUSTED at admission (the router full; HTTP 429): "
+            "from the request handler starting to the refusal handed to gRPC or HTTP (the "
+            "time a call waited before its handler started is not in it).",
+            REFUSAL_SECONDS_BUCKETS)
         self.requests_finished = self._counter(
             "tandem:requests_finished",
             "Requests ended, by status: a finish reason (stop, length) or a gRPC code name.",
