@@ -7,7 +7,9 @@ call's measured time includes the client's work for all the calls before it. Her
 `num_processes` children dials its share of the calls (one channel per call, warmed with
 GetModelInfo), waits for the others, and on a common start sends its share; every call
 records `time.monotonic()` (CLOCK_MONOTONIC: one clock for every process on the host) just
-before it is handed to gRPC and again when its status arrives.
+before it is handed to gRPC and again when its status arrives, and each child reports its
+CPU seconds over the calls (a refusal costs the client about as much CPU as the server).
+Prompts are token ids or text.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class BurstOutcome:
         return (max(c.ended for c in self.refused) - min(c.sent for c in self.calls)) * 1000
 
 
-def run_burst(address: str, prompts: list[list[int]], max_tokens: int,
+def run_burst(address: str, prompts: list[str | list[int]], max_tokens: int,
               num_processes: int = 4, on_phase=None) -> BurstOutcome:
     """Sends one call per prompt, split over `num_processes` client processes that start
     together; returns every call's outcome. `on_phase("start")` runs once every channel is
@@ -111,13 +113,13 @@ def run_burst(address: str, prompts: list[list[int]], max_tokens: int,
     return BurstOutcome(calls, client_cpu_seconds)
 
 
-def _client_process(address: str, prompts: list[list[int]], max_tokens: int, start, end,
+def _client_process(address: str, prompts: list[str | list[int]], max_tokens: int, start, end,
                     results) -> None:
     asyncio.run(_send_share(address, prompts, max_tokens, start, end, results))
 
 
-async def _send_share(address: str, prompts: list[list[int]], max_tokens: int, start, end,
-                      results) -> None:
+async def _send_share(address: str, prompts: list[str | list[int]], max_tokens: int, start,
+                      end, results) -> None:
     """Dial, meet the others at `start` (twice: dialed, then go), send, report, meet them at
     `end`, close."""
     clients = [AsyncTandemClient(address, timeout=600) for _ in prompts]
@@ -134,7 +136,7 @@ async def _send_share(address: str, prompts: list[list[int]], max_tokens: int, s
         await asyncio.gather(*(client.close() for client in clients))
 
 
-async def _one_call(client: AsyncTandemClient, prompt: list[int],
+async def _one_call(client: AsyncTandemClient, prompt: str | list[int],
                     max_tokens: int) -> CallOutcome:
     sent = time.monotonic()
     try:
