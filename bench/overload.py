@@ -5,13 +5,16 @@ health stays truthful.
     python -m tandem.bench.overload health [--streams 64] [--long-prompt 2048]
 
 `burst` starts `tandem up --max-concurrency C --max-queue 0` and runs, `--rounds` times, C
-streams alone (the unloaded run) and then 10 x C streams released at once (the burst). It
-reports how fast the excess got RESOURCE_EXHAUSTED (time from the call to its status, max and
-p99) and the admitted streams' p99 TPOT against the unloaded run's; exit status 1 unless every
-refusal came within `--refusal-budget-ms` (50) and the TPOT ratio is within `--tpot-ratio`
-(1.5). The same bursts then go to a stand-in server (its own process) that refuses every call
-at once: its times (`floor_refusal_ms_*`) are what the client and the host alone cost, the
-part of a refusal's time that no router can remove.
+streams alone (the unloaded run), then 10 x C streams released at once (the burst), then the
+same burst against a stand-in server (its own process) that refuses every call at once. Each
+burst's calls are sent together by `--client-processes` processes (bench/burst.py), each call
+timed from its own send, so the client does not serialize the burst. It reports how fast the
+excess got RESOURCE_EXHAUSTED at the client (p50, p99, max), the router's own
+tandem:refusal_seconds (its handler's part; bucket bounds), the stand-in's times
+(`floor_refusal_ms_*`: the client, the host, and a minimal grpc.aio server's per-call work,
+which no router in Python removes), how long sending a burst took, the load average, and the
+admitted streams' p99 TPOT against the unloaded run's; exit status 1 unless every refusal came
+within `--refusal-budget-ms` (50) and the TPOT ratio is within `--tpot-ratio` (1.5).
 
 `health` starts one aggregated worker behind a router, saturates its engine with `--streams`
 decoding streams plus one `--long-prompt`-token prompt prefilling, and meanwhile checks the
@@ -29,18 +32,23 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import socket
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.burst import BurstOutcome, CallOutcome
+from tandem.bench.burst import run_burst as send_burst
 from tandem.bench.up_stack import UpStack
 from tandem.client import AsyncTandemClient
 from tandem.v1 import generate_pb2, generate_pb2_grpc
@@ -56,7 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("mode", choices=["burst", "health"])
     p.add_argument("--model", help="HF checkpoint folder (default: the default model)")
     p.add_argument("--max-concurrency", type=int, default=16, help="burst: the router's cap")
-    p.add_argument("--rounds", type=int, default=3, help="burst: unloaded run + burst pairs")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="burst: rounds of unloaded run, burst, burst against the stand-in")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="burst: client processes sending each burst's calls together")
+    p.add_argument("--router-processes", type=int, default=1,
+                   help="burst: `tandem up --router-processes` (each takes its share of the "
+                        "cap and of the burst's connections)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--refusal-budget-ms", type=float, default=50.0)
@@ -142,28 +156,29 @@ def serve_instant_refuser(port: int, ready) -> None:
     asyncio.run(main())
 
 
-def client_floor_refusals_ms(bursts: list[list[list[int]]], max_tokens: int) -> list[float]:
-    """Refusal times of these bursts against an InstantRefuser in a child process."""
-    context = multiprocessing.get_context("spawn")
-    ready = context.Event()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    refuser = context.Process(target=serve_instant_refuser, args=(port, ready), daemon=True)
-    refuser.start()
-    refusals: list[float] = []
-    try:
+class InstantRefuserProcess:
+    """An InstantRefuser served by a child process on a free port of 127.0.0.1, for a `with`
+    block."""
+
+    def __enter__(self) -> InstantRefuserProcess:
+        context = multiprocessing.get_context("spawn")
+        ready = context.Event()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self._process = context.Process(target=serve_instant_refuser, args=(port, ready),
+                                        daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
         while not ready.wait(0.5):
-            if not refuser.is_alive():
+            if not self._process.is_alive():
                 raise RuntimeError("the instant refuser did not start")
-        for prompts in bursts:
-            streams = Streams(f"127.0.0.1:{port}", prompts, max_tokens)
-            streams.run()
-            refusals += streams.refusals_ms
-    finally:
-        refuser.terminate()
-        refuser.join(10)
-    return refusals
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._process.terminate()
+        self._process.join(10)
 
 
 def seeded_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -175,45 +190,101 @@ def vocab_size(model: str) -> int:
     return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
 
 
+def refusal_buckets(metrics_address: str) -> dict[float, float]:
+    """tandem:refusal_seconds's cumulative buckets (upper bound -> count) on a router now."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem:refusal_seconds_bucket":
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float],
+                    q: float) -> float | None:
+    """The upper bound (seconds) of the bucket holding quantile `q` of what was observed
+    between two refusal_buckets readings (None: nothing was)."""
+    bounds = sorted(after)
+    counts = [after[bound] - before.get(bound, 0.0) for bound in bounds]
+    if not counts or counts[-1] == 0:
+        return None
+    return next(bound for bound, count in zip(bounds, counts) if count >= q * counts[-1])
+
+
 def run_burst(args: argparse.Namespace, model: str, log_dir: Path) -> tuple[dict, bool]:
+    """Per round: `cap` streams alone, the burst against the router, the same burst against
+    the stand-in; the three interleaved so the router and the floor meet the same box."""
     cap = args.max_concurrency
-    stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
-                     "--max-queue", "0"], log_dir)
-    unloaded, burst = [], Streams(stack.router.address, [], args.max_tokens)
     bursts = [seeded_prompts(BURST_FACTOR * cap, args.prompt_len, vocab_size(model), index)
               for index in range(args.rounds)]
+    unloaded: list[CallOutcome] = []
+    loaded: list[CallOutcome] = []
+    floor: list[CallOutcome] = []
+    spans_ms: list[float] = []
+    refusal_spans_ms: list[float] = []
+    client_cpu_seconds = 0.0
+    floor_spans_ms: list[float] = []
+    load_before = os.getloadavg()[0]
+    stack = UpStack(["--model", model, "--dtype", "float32", "--max-concurrency", str(cap),
+                     "--max-queue", "0", "--router-processes", str(args.router_processes)],
+                    log_dir)
     try:
-        for round_index, prompts in enumerate(bursts):
-            alone = Streams(stack.router.address, prompts[:cap], args.max_tokens)
-            alone.run()
-            unloaded += alone.tpots_s
-            burst.errors += alone.errors
-            loaded = Streams(stack.router.address, prompts, args.max_tokens)
-            loaded.run()
-            burst.refusals_ms += loaded.refusals_ms
-            burst.tpots_s += loaded.tpots_s
-            burst.errors += loaded.errors
-            print(f"burst: round {round_index + 1}/{args.rounds}: {len(loaded.refusals_ms)} "
-                  f"refused, {len(loaded.tpots_s)} admitted", file=sys.stderr, flush=True)
+        with InstantRefuserProcess() as stand_in:
+            buckets_before = refusal_buckets(stack.router.metrics_address)
+            for round_index, prompts in enumerate(bursts):
+                unloaded += send_burst(stack.router.address, prompts[:cap], args.max_tokens,
+                                       args.client_processes).calls
+                outcome = send_burst(stack.router.address, prompts, args.max_tokens,
+                                     args.client_processes)
+                loaded += outcome.calls
+                spans_ms.append(outcome.send_span_ms)
+                refusal_spans_ms.append(outcome.refusal_span_ms)
+                floor_outcome = send_burst(stand_in.address, prompts, args.max_tokens,
+                                           args.client_processes)
+                floor += floor_outcome.calls
+                floor_spans_ms.append(floor_outcome.refusal_span_ms)
+                client_cpu_seconds += floor_outcome.client_cpu_seconds
+                print(f"burst: round {round_index + 1}/{args.rounds}: "
+                      f"{len(outcome.refused)} refused, {len(outcome.completed)} admitted, "
+                      f"sent over {outcome.send_span_ms:.1f} ms", file=sys.stderr, flush=True)
+            buckets_after = refusal_buckets(stack.router.metrics_address)
     finally:
         stack.stop()
-    floor_ms = client_floor_refusals_ms(bursts, args.max_tokens)
+    burst, alone, stand_in_burst = BurstOutcome(loaded), BurstOutcome(unloaded), \
+        BurstOutcome(floor)
+    refusals_ms = [call.elapsed_ms for call in burst.refused]
+    floor_ms = [call.elapsed_ms for call in stand_in_burst.refused]
+    router_p50, router_p99 = (bucket_quantile(buckets_before, buckets_after, q)
+                              for q in (0.5, 0.99))
+    errors = [f"{call.code}: {call.details}" for call in burst.failed + alone.failed]
     numbers = {
         "max_concurrency": cap, "burst_size": BURST_FACTOR * cap, "rounds": args.rounds,
-        "refused": len(burst.refusals_ms), "admitted": len(burst.tpots_s),
-        "errors": burst.errors[:10],
-        "refusal_ms_max": max(burst.refusals_ms, default=None),
-        "refusal_ms_p99": percentile(burst.refusals_ms, 99),
-        "refusal_ms_p50": percentile(burst.refusals_ms, 50),
+        "client_processes": args.client_processes, "router_processes": args.router_processes,
+        "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+        "refused": len(refusals_ms), "admitted": len(burst.completed), "errors": errors[:10],
+        "burst_send_span_ms_max": max(spans_ms),
+        "burst_refusal_span_ms_max": max(refusal_spans_ms),
+        "floor_client_cpu_ms_per_call": client_cpu_seconds * 1000 / len(floor),
+        "floor_refusal_span_ms_max": max(floor_spans_ms),
+        "refusal_ms_max": max(refusals_ms, default=None),
+        "refusal_ms_p99": percentile(refusals_ms, 99),
+        "refusal_ms_p50": percentile(refusals_ms, 50),
+        "router_refusal_ms_p50_at_most": router_p50 and router_p50 * 1000,
+        "router_refusal_ms_p99_at_most": router_p99 and router_p99 * 1000,
         "floor_refusal_ms_max": max(floor_ms, default=None),
         "floor_refusal_ms_p99": percentile(floor_ms, 99),
         "floor_refusal_ms_p50": percentile(floor_ms, 50),
-        "unloaded_tpot_ms_p99": 1000 * percentile(unloaded, 99),
-        "burst_tpot_ms_p99": 1000 * percentile(burst.tpots_s, 99),
+        "unloaded_tpot_ms_p99": 1000 * percentile([c.tpot_seconds for c in alone.completed
+                                                   if c.tpot_seconds is not None], 99),
+        "burst_tpot_ms_p99": 1000 * percentile([c.tpot_seconds for c in burst.completed
+                                                if c.tpot_seconds is not None], 99),
     }
     numbers["tpot_ratio"] = numbers["burst_tpot_ms_p99"] / numbers["unloaded_tpot_ms_p99"]
     expected_refusals = (BURST_FACTOR - 1) * cap * args.rounds
-    passed = (not burst.errors and numbers["refused"] == expected_refusals
+    passed = (not errors and numbers["refused"] == expected_refusals
               and numbers["refusal_ms_max"] <= args.refusal_budget_ms
               and numbers["tpot_ratio"] <= args.tpot_ratio)
     return numbers, passed

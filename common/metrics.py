@@ -25,6 +25,9 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 # Tandem's own: sub-millisecond resolution for the parts of TTFT and for steps and transfers.
 FINE_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
                         0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# A refusal is decided in tens of microseconds; a slow one means a busy event loop.
+REFUSAL_SECONDS_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02,
+                           0.05, 0.1, 0.25, 1.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BASE_LABELS = ("model", "tier")
 
@@ -128,6 +131,12 @@ class RouterMetrics(_Metrics):
         self.tokenization_time = self._histogram(
             "tandem:tokenization_time_seconds", "Tokenizing a prompt (or chat template).",
             FINE_SECONDS_BUCKETS)
+        self.refusal_time = self._histogram(
+            "tandem:refusal_seconds",
+            "Requests refused RESOURCE_EXHAUSTED at admission (the router full; HTTP 429): "
+            "from the request handler starting to the refusal handed to gRPC or HTTP (the "
+            "time a call waited before its handler started is not in it).",
+            REFUSAL_SECONDS_BUCKETS)
         self.requests_finished = self._counter(
             "tandem:requests_finished",
             "Requests ended, by status: a finish reason (stop, length) or a gRPC code name.",

@@ -25,6 +25,10 @@ MAX_RETRY_AFTER_MS = 60_000
 _HOLD_SMOOTHING = 0.1  # weight of the newest request in the mean slot-holding time
 
 
+class AtCapacity(RequestError):
+    """RESOURCE_EXHAUSTED from admission: every place in the router is taken."""
+
+
 class Admission:
     def __init__(self, max_concurrency: int, max_queue: int) -> None:
         if max_concurrency < 1 or max_queue < 0:
@@ -53,11 +57,11 @@ class Admission:
         """A place in the router for one request, or RESOURCE_EXHAUSTED when all are taken."""
         if self.num_placed >= self.max_concurrency + self.max_queue:
             retry_after_ms = self.retry_after_ms
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"router is at capacity: {self.num_running} requests running, "
-                               f"{self.num_waiting} queued (max_queue={self.max_queue}); "
-                               f"retry after {retry_after_ms} ms",
-                               ((RETRY_AFTER_KEY, str(retry_after_ms)),))
+            raise AtCapacity(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"router is at capacity: {self.num_running} requests running, "
+                             f"{self.num_waiting} queued (max_queue={self.max_queue}); "
+                             f"retry after {retry_after_ms} ms",
+                             ((RETRY_AFTER_KEY, str(retry_after_ms)),))
         self.num_placed += 1
         try:
             yield

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
-from tandem.router.admission import Admission
+from tandem.router.admission import Admission, AtCapacity
 from tandem.router.request_flow import RequestContext, RequestFlow, StallLimits
 from tandem.router.tokenization import ModelFrontend
 from tandem.router.validation import (RequestError, check_request, resolve_params,
@@ -130,6 +130,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                         async for response in responses:
                             yield response
         except RequestError as exc:
+            if isinstance(exc, AtCapacity):
+                self.metrics.refusal_time.observe(time.monotonic() - arrival)
             self.metrics.requests_finished.labels(status=exc.code.name).inc()
             raise
         except (asyncio.CancelledError, GeneratorExit):  # client cancel, disconnect, deadline

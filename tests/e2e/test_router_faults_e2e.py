@@ -81,7 +81,10 @@ def test_two_calls_with_one_request_id_get_their_own_answers(small_router):
 
 
 def test_burst_excess_gets_resource_exhausted_at_once_with_a_retry_hint(small_router):
+    """The excess of a burst is refused RESOURCE_EXHAUSTED at once with a retry hint, and the
+    router times each refusal (tandem:refusal_seconds)."""
     num_calls = 10 * MAX_CONCURRENCY
+    refusals_timed = metric_sum(small_router.router_metrics, "tandem:refusal_seconds_count")
     outcomes: dict[int, tuple] = {}
     barrier = threading.Barrier(num_calls)
 
@@ -106,6 +109,8 @@ def test_burst_excess_gets_resource_exhausted_at_once_with_a_retry_hint(small_ro
     assert max(o[1] for o in refused) < min(o[1] for o in completed)
     for _, _, metadata in refused:
         assert int(metadata["retry-after-ms"]) >= 100
+    assert metric_sum(small_router.router_metrics, "tandem:refusal_seconds_count") \
+        == refusals_timed + len(refused)
     wait_until(lambda: workers_idle(small_router), timeout=5)
 
 
