@@ -62,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "aiter-triton | torch")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every GPU decode step eagerly")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each decode step's tokens before queueing the next (by default "
-                        "a one-rank GPU worker queues step N+1 while step N runs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="queue decode step N+1 on the device before reading step N's tokens "
+                        "(default: on for a one-rank GPU worker; --async-scheduling also on "
+                        "CPU, where it only checks the bookkeeping)")
     p.add_argument("--block-decode", action=argparse.BooleanOptionalAction,
                    help="decode attention of up to 8 sequences by our whole-block CUDA kernel "
                         "on sm_90+ (default: on, unless TANDEM_BLOCK_DECODE=0)")
@@ -154,7 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         enforce_eager=args.enforce_eager, load_format=args.load_format,
-        async_scheduling=False if args.no_async_scheduling else None,
+        async_scheduling=args.async_scheduling,
         kernel_options=kernel_options(args))
 
 
