@@ -39,16 +39,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.bench.burst import BurstOutcome, CallOutcome
 from tandem.bench.burst import run_burst as send_burst
+from tandem.bench.metrics_scrape import scrape
 from tandem.bench.up_stack import UpStack
 from tandem.client import AsyncTandemClient
 from tandem.v1 import generate_pb2, generate_pb2_grpc
@@ -192,14 +191,11 @@ def vocab_size(model: str) -> int:
 
 def refusal_buckets(metrics_address: str) -> dict[float, float]:
     """tandem:refusal_seconds's cumulative buckets (upper bound -> count) on a router now."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
-        text = response.read().decode()
     buckets: dict[float, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "tandem:refusal_seconds_bucket":
-                bound = float(sample.labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    for sample in scrape(metrics_address, timeout=5):
+        if sample.name == "tandem:refusal_seconds_bucket":
+            bound = float(sample.labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + sample.value
     return buckets
 
 

@@ -20,10 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
+from tandem.bench.metrics_scrape import scrape
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -58,15 +57,12 @@ def _start_stack(args: argparse.Namespace, policy: str, port: int, log_path: Pat
 
 def _samples(metrics_address: str) -> dict[str, float]:
     """Sums per sample name and `reason` label of the router's tandem: routing series."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as response:
-        text = response.read().decode()
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "routing" in sample.name and not sample.name.endswith("_created"):
-                key = sample.name + (f"{{{sample.labels['reason']}}}"
-                                     if "reason" in sample.labels else "")
-                sums[key] = sums.get(key, 0.0) + sample.value
+    for sample in scrape(metrics_address, timeout=5):
+        if "routing" in sample.name and not sample.name.endswith("_created"):
+            key = sample.name + (f"{{{sample.labels['reason']}}}"
+                                 if "reason" in sample.labels else "")
+            sums[key] = sums.get(key, 0.0) + sample.value
     return sums
 
 
@@ -80,13 +76,10 @@ def _worker_samples(metrics: dict[str, str]) -> dict[str, float]:
     for name, address in metrics.items():
         if name == "router":
             continue
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in WORKER_SERIES:
-                    key = f"{sample.name}{{{sample.labels.get('tier', '')}}}"
-                    sums[key] = sums.get(key, 0.0) + sample.value
+        for sample in scrape(address, timeout=5):
+            if sample.name in WORKER_SERIES:
+                key = f"{sample.name}{{{sample.labels.get('tier', '')}}}"
+                sums[key] = sums.get(key, 0.0) + sample.value
     return sums
 
 

@@ -16,14 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.metrics_scrape import scrape
 from tandem.bench.proc_stats import child_pids, is_running, rss_bytes
 from tandem.common.security import INTERNAL_TOKEN_KEY
 from tandem.stack import free_port
@@ -166,11 +165,7 @@ class UpStack:
 
     def samples(self, child: UpChild, name: str) -> list:
         """Every sample called `name` on `child`'s /metrics page now."""
-        url = f"http://{child.metrics_address}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        return [sample for family in text_string_to_metric_families(text)
-                for sample in family.samples if sample.name == name]
+        return [sample for sample in scrape(child.metrics_address) if sample.name == name]
 
     def router_counter(self, name: str) -> float:
         """The sum of every sample of counter `name` (without _total) on the router."""
