@@ -125,9 +125,9 @@ def test_decode_runs_ahead_while_requests_wait_for_a_free_slot(engines):
     prompts = random_prompts([6] * 10, seed=12)
     requests = {f"w{i}": (p, SamplingParams(temperature=0, max_tokens=8 + i), 0)
                 for i, p in enumerate(prompts)}
-    waiting_ahead = []
+    waiting_ahead = []  # per step: it read a step's tokens with the next one already queued
     got = run(asynchronous, requests, on_step=lambda e, _: waiting_ahead.append(
-        e._in_flight is not None and bool(e.scheduler.waiting)))
+        e.last_step is not None and e._in_flight is not None and bool(e.scheduler.waiting)))
     assert got == run(sync, requests)
     assert any(waiting_ahead), "no step was queued ahead while requests waited"
 
