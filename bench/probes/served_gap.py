@@ -74,24 +74,24 @@ def measure_in_process(model_dir: Path, tokens: int) -> dict:
     import cProfile
     import pstats
 
-    from tandem.workers.executor import executor as executor_module
+    from tandem.workers.engine.sampler import DeviceSample
 
     waited = []
-    original = executor_module.LaunchedStep.token_ids
+    original = DeviceSample.to_host
 
-    def timed_token_ids(self):
+    def timed_to_host(self):
         started = time.perf_counter()
         try:
             return original(self)
         finally:
             waited.append(time.perf_counter() - started)
 
-    executor_module.LaunchedStep.token_ids = timed_token_ids
+    DeviceSample.to_host = timed_to_host
     profile = cProfile.Profile()
     profile.enable()
     per_token = engine_loop("profiled")
     profile.disable()
-    executor_module.LaunchedStep.token_ids = original
+    DeviceSample.to_host = original
     results["engine_profiled_ms"] = per_token * 1e3
     results["engine_device_wait_ms"] = sum(waited[2:]) / max(1, len(waited) - 2) * 1e3
     pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)

@@ -11,7 +11,7 @@ decode steps. A token in flight is a placeholder in its sequence (sequence.py); 
 it one step later, so a sequence that stopped at step N also computed step N+1, whose token is
 dropped. Blocks of a sequence that ends while a queued step may still write them are freed
 once that step is done. Steps that need the host in between run as before, one at a time:
-prefill chunks, logprob or penalized rows, preemption, tensor parallelism. A step with
+prefill chunks, penalized rows, preemption, tensor parallelism. A step with
 grammar-constrained rows queues its forward pass ahead and its sampling once step N's tokens
 have advanced the grammars (the masks are filled while the forward pass runs).
 """
@@ -31,11 +31,11 @@ from tandem.workers.engine.block_manager import BlockManager
 from tandem.workers.engine.config import EngineConfig
 from tandem.workers.engine.grammar_cache import GrammarCompiler
 from tandem.workers.engine.grammar_mask import RequestGrammar
-from tandem.workers.engine.sampler import Sampler, advance_request_generator
+from tandem.workers.engine.sampler import DeviceSample, Sampler, advance_request_generator
 from tandem.workers.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 from tandem.workers.engine.stop import check_stop
-from tandem.workers.executor.executor import CarriedTokens, Executor, LaunchedStep
+from tandem.workers.executor.executor import CarriedTokens, Executor
 
 logger = get_logger(__name__)
 # The longest a step with only grammar-waiting requests sleeps for a compile to finish.
@@ -61,7 +61,7 @@ class InFlightStep:
     seqs: list[Sequence]  # one per row, every one sampled
     placeholders: list[int]  # per row: the index in seq.token_ids of its in-flight token
     # The queued sampling; None while it waits for the previous step's tokens (`logits` set).
-    launched: LaunchedStep | None
+    launched: DeviceSample | None
     logits: torch.Tensor | None
     rows: dict[int, int]  # seq_id -> row
     # Sequences that ended while this step was queued: their blocks are freed once it is done.
@@ -420,7 +420,7 @@ class LLMEngine:
         if previous is not None:
             rows = [row for row, seq in enumerate(seqs) if seq.num_inflight_tokens]
             if rows:
-                carried = CarriedTokens(previous.launched.sampled, rows,
+                carried = CarriedTokens(previous.launched.token_ids, rows,
                                         [previous.rows[seqs[row].seq_id] for row in rows])
         logits = self.executor.launch_forward(batch, carried)
         placeholders = []
@@ -445,15 +445,18 @@ class LLMEngine:
     def _complete(self, step: InFlightStep, started: float) -> list[Sequence]:
         """Wait for a queued step's tokens and handle them, as `_run` does after its step."""
         self._sample_queued(step)
-        token_ids = step.launched.token_ids()
+        output = step.launched.to_host()
         for seq in step.deferred_free:
             self.block_manager.free(seq)
         now = time.monotonic()
         done = []
-        for seq, index, token_id in zip(step.seqs, step.placeholders, token_ids):
+        for seq, index, token_id, logprob in zip(step.seqs, step.placeholders,
+                                                 output.token_ids, output.logprobs):
             if seq.is_finished:  # ended while its token was in flight: the token is dropped
                 continue
             seq.fill_placeholder(index, token_id)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             # Only now is every computed position's token known (hashes cover token ids).
             self.block_manager.cache_computed_blocks(seq)
             self._handle_token(seq, token_id, now)
@@ -476,7 +479,7 @@ class LLMEngine:
             return
         try:
             if step.launched is not None:
-                step.launched.token_ids()
+                step.launched.to_host()
         except Exception:  # the device may be what failed: the blocks are freed regardless
             logger.exception("could not wait for the queued step")
         for seq in step.deferred_free:

@@ -46,52 +46,42 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [B, V], any float dtype; row i belongs to seqs[i]."""
+        if not seqs and logits.shape[0] == 0:
+            return SamplerOutput([], [])
+        return self.sample_on_device(logits, seqs).to_host()
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """What `__call__` samples, still on the logits' device and with no wait for it: the
+        caller reads it later (`DeviceSample.to_host`; asynchronous scheduling reads it once
+        the step has run). A constrained row's grammar must have accepted every token before
+        the row's input token."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match "
                              f"{len(seqs)} sequences")
-        if not seqs:
-            return SamplerOutput([], [])
         device = logits.device
         params = [seq.sampling_params for seq in seqs]
         logits = logits.to(torch.float32, copy=True)  # [B, V]; modified in place below
         if any(seq.grammar is not None for seq in seqs):
             self._grammar_masker.apply_(logits, seqs)
-
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1)
-
         sampled = self._choose(logits, seqs)
-        token_ids = sampled.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            chosen = sampled[_index(logprob_rows, device)]
-            nums = [params[i].logprobs for i in logprob_rows]
-            for row, entry in zip(logprob_rows, _gather_logprobs(raw_logprobs, chosen, nums)):
-                logprobs[row] = entry
-        return SamplerOutput(token_ids, logprobs)
-
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The tokens `__call__` would sample, as a [B] long tensor on the logits' device, with
-        no wait for the device: the caller reads them later (asynchronous scheduling). For rows
-        that need nothing from the host after sampling (`samples_on_device`)."""
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match "
-                             f"{len(seqs)} sequences")
-        logits = logits.to(torch.float32, copy=True)
-        if any(seq.grammar is not None for seq in seqs):
-            self._grammar_masker.apply_(logits, seqs)
-        return self._choose(logits, seqs)
+        if raw_logprobs is None:
+            return DeviceSample(sampled)
+        nums = [params[i].logprobs for i in logprob_rows]
+        chosen = sampled[_index(logprob_rows, device)]
+        return DeviceSample(sampled, logprob_rows, nums,
+                            _logprob_tensors(raw_logprobs, chosen, max(nums)))
 
     @staticmethod
     def samples_on_device(seq: Sequence) -> bool:
-        """Whether sample_on_device can sample the sequence: no logprobs (gathered on the
-        host) and no penalties (they count the token ids, and the latest may still be in
+        """Whether a step may sample the sequence before the previous step's tokens are on the
+        host: not with penalties (they count the token ids, and the latest may still be in
         flight). A grammar's mask is made on the host from the tokens before the row's input
         token, so its caller samples once those are known."""
-        p = seq.sampling_params
-        return p.logprobs is None and not _has_penalty(p)
+        return not _has_penalty(seq.sampling_params)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Steps 2-5 on fp32 logits [B, V] (modified in place): the sampled ids, [B] long."""
@@ -278,25 +268,66 @@ def _apply_top_k_top_p_(logits: torch.Tensor, top_k: list[int],
     logits.masked_fill_(drop, -math.inf)
 
 
-def _gather_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
-                     nums: list[int]) -> list[TokenLogprob]:
-    """raw_logprobs: [L, V]; chosen: [L] sampled ids; nums[r]: top-N wanted for row r."""
+def _logprob_tensors(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
+                     max_n: int) -> tuple[torch.Tensor, ...]:
+    """On the device: raw_logprobs [L, V], chosen [L] sampled ids -> the chosen ids [L], their
+    logprobs [L], their ranks [L] (1 = most likely) and the top max_n logprobs and ids [L, n]
+    (n = min(max_n, V), most likely first)."""
     chosen_logprob = raw_logprobs.gather(1, chosen[:, None])  # [L, 1]
-    ranks = ((raw_logprobs > chosen_logprob).sum(dim=-1) + 1).tolist()
-    max_n = min(max(nums), raw_logprobs.shape[1])
-    top_values: list[list[float]] = [[] for _ in nums]
-    top_ids: list[list[int]] = [[] for _ in nums]
-    if max_n > 0:
-        values, ids = raw_logprobs.topk(max_n, dim=-1)  # [L, max_n], most likely first
-        top_values, top_ids = values.tolist(), ids.tolist()
+    ranks = (raw_logprobs > chosen_logprob).sum(dim=-1) + 1
+    values, ids = raw_logprobs.topk(min(max_n, raw_logprobs.shape[1]), dim=-1)
+    return chosen, chosen_logprob[:, 0], ranks, values, ids
+
+
+def _token_logprobs(tensors: tuple[torch.Tensor, ...], nums: list[int]) -> list[TokenLogprob]:
+    """`_logprob_tensors`' values (on the host) as one TokenLogprob per row, row r keeping its
+    top nums[r] alternatives."""
+    chosen, logprobs, ranks, values, ids = (t.tolist() for t in tensors)
     return [
         TokenLogprob(token_id=token, logprob=logprob, rank=rank,
                      # a grammar-masked token (-inf) is no alternative
                      top_logprobs=tuple((i, v) for i, v in zip(ids_row[:n], values_row[:n])
                                         if v != -math.inf))
         for token, logprob, rank, ids_row, values_row, n in zip(
-            chosen.tolist(), chosen_logprob[:, 0].tolist(), ranks, top_ids, top_values, nums)
+            chosen, logprobs, ranks, ids, values, nums)
     ]
+
+
+class DeviceSample:
+    """One step's samples on the device (and the logprobs asked for), until `to_host`. On a
+    GPU the host copies are queued at once, into pinned memory, with an event to wait on:
+    reading them never waits for work queued after this step."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] = (),
+                 nums: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
+        self.token_ids = token_ids  # [B] long, on the device
+        self._logprob_rows = list(logprob_rows)
+        self._nums = list(nums)
+        tensors = (token_ids, *logprob_tensors)
+        self._ready = None
+        if token_ids.is_cuda:
+            host = []
+            for tensor in tensors:
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                copy.copy_(tensor, non_blocking=True)
+                host.append(copy)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            tensors = tuple(host)
+        self._host = tensors
+
+    def to_host(self) -> SamplerOutput:
+        """The sampled ids and logprobs; waits (without holding the GIL) until the device has
+        computed them."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._host[0].tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        if self._logprob_rows:
+            for row, entry in zip(self._logprob_rows,
+                                  _token_logprobs(self._host[1:], self._nums)):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids, logprobs)
 
 
 def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:

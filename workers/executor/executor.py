@@ -34,7 +34,7 @@ from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start
                                                   size_rank_kv_cache)
 from tandem.workers.engine.model_runner import ModelRunner
 from tandem.workers.engine.model_setup import LoadedModel, load_model
-from tandem.workers.engine.sampler import Sampler, SamplerOutput
+from tandem.workers.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.executor.rank_runner import LeaderRunner, RankGroup
@@ -57,29 +57,6 @@ class CarriedTokens:
     tokens: torch.Tensor  # [N] long: what the previous step sampled, by its row
     rows: list[int]  # rows of this step whose input token is one of them
     sources: list[int]  # for each of those rows, its row in `tokens`
-
-
-class LaunchedStep:
-    """A step queued on the device: its sampled tokens, and their copy to the host, which the
-    engine reads when it needs them (`token_ids`)."""
-
-    def __init__(self, sampled: torch.Tensor) -> None:
-        self.sampled = sampled  # [B] long, on the device
-        self._ready = None
-        if sampled.is_cuda:
-            self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            self._host.copy_(sampled, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = sampled
-
-    def token_ids(self) -> list[int]:
-        """The sampled ids, in row order; waits (without holding the GIL) until the device has
-        run the step."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.tolist()
 
 
 class Executor:
@@ -121,7 +98,7 @@ class Executor:
         """Whether `launch` works: one rank, whose device reads carried tokens itself."""
         return True
 
-    def launch(self, batch: SchedulerOutput, carried: CarriedTokens | None) -> LaunchedStep:
+    def launch(self, batch: SchedulerOutput, carried: CarriedTokens | None) -> DeviceSample:
         """Queues a decode step (every sequence sampled; Sampler.samples_on_device holds for
         each) on the device and returns without waiting for it: `launch_forward`, then
         `launch_sample`."""
@@ -138,10 +115,10 @@ class Executor:
             _carry_(inputs.input_ids, carried)
         return self.runner.execute(inputs)
 
-    def launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedStep:
+    def launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
         """Queues the sampling of a launched forward's logits (row i is seqs[i]'s). A
         constrained row's grammar must have accepted every token before its input token."""
-        return LaunchedStep(self.sampler.sample_on_device(logits, seqs))
+        return self.sampler.sample_on_device(logits, seqs)
 
     def run_kv_ops(self, ops: list[KVRankOp]) -> list:
         """Runs KV rank ops on every rank, in order; rank 0's answer to each. Engine thread

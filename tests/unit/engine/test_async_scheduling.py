@@ -41,7 +41,21 @@ def run(engine, requests, *, on_step=None):
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks, "a KV block was kept"
     manager.check_invariants([])
-    return {rid: (seq.completion_token_ids, seq.finish_reason) for rid, seq in seqs.items()}
+    return {rid: (seq.completion_token_ids, seq.finish_reason, seq.logprobs)
+            for rid, seq in seqs.items()}
+
+
+def assert_same_outputs(got: dict, expected: dict) -> None:
+    """Tokens and finish reasons exactly; logprobs up to float rounding (a grammar's compile
+    time decides the step a constrained request joins, so batches, and the last bits of a
+    batched matmul, may differ between two runs)."""
+    assert {rid: out[:2] for rid, out in got.items()} == \
+        {rid: out[:2] for rid, out in expected.items()}
+    for rid, (_, _, logprobs) in got.items():
+        want = expected[rid][2]
+        assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in want], rid
+        assert [lp.logprob for lp in logprobs] == pytest.approx(
+            [lp.logprob for lp in want], abs=1e-4), rid
 
 
 MIXED_PROMPTS = random_prompts([5, 17, 33, 2, 40, 9, 21, 12, 14, 26], seed=11)
@@ -89,6 +103,10 @@ def test_outputs_equal_one_step_at_a_time(engines):
                                  0)})
     stop_token = probe["probe"][0][4]
     requests = mixed_requests(stop_token)
+    for engine in engines:  # compiled before the runs: requests join at the same steps in both
+        for _, params, _ in requests.values():
+            if params.structured_output is not None:
+                engine.grammars.compile(params.structured_output).result()
     ahead = []
     expected = run(sync, requests)
     constrained_ahead = []
@@ -99,9 +117,10 @@ def test_outputs_equal_one_step_at_a_time(engines):
             seq.grammar is not None for seq in e._in_flight.seqs))
 
     got = run(asynchronous, requests, on_step=watch)
-    assert got == expected
+    assert_same_outputs(got, expected)
     assert any(constrained_ahead), "no constrained step was queued ahead"
-    assert any(finish is FinishReason.STOP for _, finish in expected.values())
+    assert any(finish is FinishReason.STOP for _, finish, _ in expected.values())
+    assert len(got["r6"][2]) == 12 and got["r6"][2][0].top_logprobs  # logprobs rows too
     json.loads(detokenized(asynchronous, got["r8"][0]))  # the constrained rows really were
     assert sum(ahead) >= 3, "no decode step was queued ahead"
 
@@ -114,7 +133,7 @@ def test_greedy_batch_runs_ahead_every_decode_step(engines):
     returned = []
     got = run(asynchronous, requests,
               on_step=lambda e, _: returned.append(e.last_step is not None))
-    assert all(len(tokens) == 12 for tokens, _ in got.values())
+    assert all(len(tokens) == 12 for tokens, _, _ in got.values())
     # 1 prefill step, 1 step that only queues the first decode, 11 that each read one decode
     # step's tokens while queueing the next, and 1 that reads the last.
     assert len(returned) == 14 and returned.count(False) == 1
@@ -183,7 +202,7 @@ def test_deadline_passing_while_a_step_is_queued(engines):
 def test_async_engine_streams_carry_real_tokens(engines):
     sync, asynchronous = engines
     prompts = random_prompts([12, 25], seed=9)
-    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True, logprobs=1)
     expected = run(sync, {f"s{i}": (p, params, 0) for i, p in enumerate(prompts)})
 
     async def stream_all():
@@ -191,21 +210,22 @@ def test_async_engine_streams_carry_real_tokens(engines):
         runner.start()
         try:
             streams = {f"s{i}": runner.open_stream(f"s{i}") for i in range(len(prompts))}
-            for i, prompt in enumerate(prompts):
-                await runner.call(lambda e, i=i, prompt=prompt: e.add_request(
-                    prompt, params, f"s{i}"))
+            # All in one command, so the batches (and so the logprobs' last bits) are run()'s.
+            await runner.call(lambda e: [e.add_request(prompt, params, f"s{i}")
+                                         for i, prompt in enumerate(prompts)])
             out = {}
             for rid, stream in streams.items():
-                tokens = []
+                tokens, logprobs = [], []
                 while True:
                     event = await asyncio.wait_for(stream.get(), 60)
                     assert isinstance(event, TokenEvent)
                     tokens.append(event.token_id)
+                    logprobs.append(event.logprob)
                     if event.finish_reason is not None:
-                        out[rid] = (tokens, event.finish_reason)
+                        out[rid] = (tokens, event.finish_reason, logprobs)
                         break
             return out
         finally:
             await runner.stop()
 
-    assert asyncio.run(stream_all()) == expected
+    assert_same_outputs(asyncio.run(stream_all()), expected)
