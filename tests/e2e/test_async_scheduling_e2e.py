@@ -70,10 +70,12 @@ def test_concurrent_streams_equal_the_offline_engine(stacks, offline, layout):
 def test_cancelled_stream_leaves_no_blocks(stacks):
     stack = stacks["split"]
     with grpc.insecure_channel(stack.router.address) as channel:
+        # As long as the model allows (512 positions), read only the first chunks: a busy
+        # box's client may be slow to read, and the router packs what it waits for into each.
         call = generate_pb2_grpc.GenerateStub(channel).Generate(
-            request([7] * 30, max_tokens=400), timeout=60)
+            request([7] * 30, max_tokens=470), timeout=60)
         for i, _ in enumerate(call):
-            if i == 5:
+            if i == 1:
                 break
         assert not idle(stack)
         call.cancel()
