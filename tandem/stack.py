@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -66,11 +68,40 @@ class Child:
         return "\n".join(f"    {line}" for line in lines)
 
 
+# Ports free_port picks from start here and end below the kernel's ephemeral range.
+LOWEST_PICKED_PORT = 20000
+_port_picker = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on `host` now (another process may still take it)."""
+    """A TCP port free on `host` now, for a child process to bind soon after.
+
+    Picked at random below the kernel's ephemeral port range: ports in that range are also
+    handed out as the local ends of outgoing connections (health checks, NCCL/gloo, HTTP
+    scrapes), and one of those can take a port between its choice here and the child's bind.
+    Another listener still may take it; a child that cannot bind fails naming the address.
+    """
+    low = _ephemeral_range_start()
+    if low - LOWEST_PICKED_PORT >= 1000:
+        for _ in range(64):
+            port = _port_picker.randrange(LOWEST_PICKED_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def check_port_free(host: str, port: int) -> None:

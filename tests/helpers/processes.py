@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.client import STACK_INTERNAL_TOKEN
 
+from tandem.stack import free_port  # noqa: F401 (the tests take it from here)
+
 STARTUP_TIMEOUT_SECONDS = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

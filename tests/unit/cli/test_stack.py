@@ -367,3 +367,16 @@ def test_up_passes_http_port_to_the_router(tmp_path, capsys):
         assert cli.main(["up", "--model", str(tmp_path), "--port", str(free_port()),
                          "--http-port", str(port)]) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """Outgoing connections take their local ports from the ephemeral range; a port chosen
+    there for a child could be taken by one before the child binds it."""
+    from pathlib import Path
+
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < first_ephemeral
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
