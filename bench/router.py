@@ -33,7 +33,6 @@ import multiprocessing
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.proc_stats import tree_cpu_seconds
 from tandem.bench.router_fakes import start_fake_worker
+from tandem.stack import free_port
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 # Never in the corpus text, but their first characters are: the scan keeps holding back text.
@@ -214,12 +214,6 @@ def measure_phase(router_address: str, router_pid: int, worker, worker_pid: int,
                        num_errors, router_cpu, client_cpu, worker_cpu, float(p50), float(p99))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _wait_serving(address: str, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
     with grpc.insecure_channel(address) as channel:
@@ -241,7 +235,7 @@ def _wait_serving(address: str, process: subprocess.Popen) -> None:
 
 def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]:
     model = args.model or str(_default_model())
-    worker_port, router_port = _free_port(), _free_port()
+    worker_port, router_port = free_port(), free_port()
     worker_process, worker = start_fake_worker(model, worker_port, 0.0)
     router_address = f"127.0.0.1:{router_port}"
     token_file = tempfile.NamedTemporaryFile("w", prefix="tandem-bench-token-", delete=False)

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,14 +22,9 @@ import time
 from pathlib import Path
 
 from tandem.bench.metrics_scrape import scrape
+from tandem.stack import free_port
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_stack(args: argparse.Namespace, policy: str, port: int, log_path: Path):
@@ -103,7 +97,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def run_policy(args: argparse.Namespace, policy: str, workdir: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     up, metrics = _start_stack(args, policy, port, workdir / f"up-{policy}.log")
     try:
         cpu_before = _cpu_seconds(up.pid)

@@ -30,9 +30,10 @@ from tandem.bench.burst import run_burst
 from tandem.bench.overload import (InstantRefuserProcess, bucket_quantile, refusal_buckets,
                                    seeded_prompts)
 from tandem.bench.proc_stats import tree_cpu_seconds
-from tandem.bench.router import _default_model, _free_port, _wait_serving
+from tandem.bench.router import _default_model, _wait_serving
 from tandem.bench.router_fakes import corpus_text, start_fake_worker
 from tandem.client import AsyncTandemClient
+from tandem.stack import free_port
 
 NUM_HELD = 16  # the router's --max-concurrency, filled before the bursts
 
@@ -82,7 +83,7 @@ def main() -> None:
     p.add_argument("--client-processes", type=int, default=4)
     args = p.parse_args()
     model = str(_default_model())
-    worker_port, router_port, metrics_port = _free_port(), _free_port(), _free_port()
+    worker_port, router_port, metrics_port = free_port(), free_port(), free_port()
     worker_process, worker = start_fake_worker(model, worker_port, 0.5)
     token_file = tempfile.NamedTemporaryFile("w", prefix="tandem-probe-token-", delete=False)
     token_file.write("tandem-probe-internal-token")

@@ -6,7 +6,8 @@ decided once here, before the engine is built:
     executor = build_executor(config)      # the worker / tandem.LLM, at start-up
     engine = LLMEngine(config, executor)
     output = executor.execute(batch)       # per step: SamplerOutput (None: nothing sampled)
-    launched = executor.launch(batch, carried)  # or queued, read later (asynchronous scheduling)
+    logits = executor.launch_forward(batch, carried)  # or queued, read later (asynchronous
+    sample = executor.launch_sample(logits, seqs)     # scheduling: DeviceSample.to_host)
     answers = executor.run_kv_ops(ops)     # KV transfer work on every rank (kv/rank_ops.py)
     executor.shutdown()                    # via engine.shutdown(), after the last step
 
@@ -95,15 +96,9 @@ class Executor:
 
     @property
     def supports_async_scheduling(self) -> bool:
-        """Whether `launch` works: one rank, whose device reads carried tokens itself."""
+        """Whether `launch_forward` works: one rank, whose device reads carried tokens
+        itself."""
         return True
-
-    def launch(self, batch: SchedulerOutput, carried: CarriedTokens | None) -> DeviceSample:
-        """Queues a decode step (every sequence sampled; Sampler.samples_on_device holds for
-        each) on the device and returns without waiting for it: `launch_forward`, then
-        `launch_sample`."""
-        return self.launch_sample(self.launch_forward(batch, carried),
-                                  [item.seq for item in batch.scheduled])
 
     def launch_forward(self, batch: SchedulerOutput,
                        carried: CarriedTokens | None) -> torch.Tensor:
