@@ -22,8 +22,7 @@ from tandem.workers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwe
 from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.embedding import VocabParallelEmbedding
 from tandem.workers.ops.linear import ReplicatedLinear
-from tandem.workers.ops.moe import (DOWN, GATE, STACKED_GATE_UP, UP, FusedMoE, expert_targets,
-                                    select_experts)
+from tandem.workers.ops.moe import DOWN, GATE, STACKED_GATE_UP, UP, FusedMoE, expert_targets
 from tandem.workers.ops.norm import RMSNorm
 
 # "<prefix>.experts.<e>.<proj>.<weight|bias>" and "<prefix>.experts.<stacked>[_bias]"
@@ -64,9 +63,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         router_logits = self.gate(hidden)  # [T, E]
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k,
-                                                renormalize=self.renormalize)
-        return self.experts(hidden, topk_weights, topk_ids)
+        return self.experts.forward_logits(hidden, router_logits, top_k=self.top_k,
+                                           renormalize=self.renormalize)
 
 
 def is_sparse_layer(config: Any, layer_idx: int) -> bool:

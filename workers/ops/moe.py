@@ -16,7 +16,11 @@ function once, at construction. The torch one sorts the (token, slot) pairs by e
 runs one matmul pair per expert that has tokens. The "aiter-triton" one
 (`aiter_triton_fused_moe`, AITER's `aiter.ops.triton.moe_op`, loaded by `aiter_compat`) groups
 the pairs by expert on the GPU (`align_by_expert`: padded to the kernel's block size) and then
-makes one `fused_moe` launch per projection.
+makes one `fused_moe` launch per projection. On aiter-triton, batches of at most
+`DECODE_MAX_PAIRS` (token, slot) pairs take our decode kernels instead
+(workers/ops/gpu/moe_decode.py: routing, grouping and both projections in four launches, each
+chosen expert's weights read once); `FusedMoE.forward_logits` lets softmax-routed models hand
+over the router logits so the routing joins that path.
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ from tandem.workers.ops.linear import tp_rank_and_size
 from tandem.workers.parallel.context import current_parallel
 from tandem.workers.parallel.expert_dispatch import make_dispatcher
 from tandem.workers.parallel.all_reduce import tp_all_reduce
+
+# At most this many (token, slot) pairs take the decode kernels (moe_decode.py) on
+# aiter-triton; larger batches take AITER's grouped fused_moe.
+DECODE_MAX_PAIRS = 512
 
 # Checkpoint shard ids: which projection of one expert a tensor holds.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -264,8 +272,32 @@ class FusedMoE(nn.Module):
         sizes its all-to-all from counts read back to the host: host-side decisions both."""
         return self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None
 
+    def _takes_decode_path(self, num_tokens: int, top_k: int) -> bool:
+        return (self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None
+                and 0 < num_tokens * top_k <= DECODE_MAX_PAIRS)
+
+    def forward_logits(self, hidden: torch.Tensor, router_logits: torch.Tensor, *, top_k: int,
+                       renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+        """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts."""
+        if self._takes_decode_path(hidden.shape[0], top_k):
+            from tandem.workers.ops.gpu.moe_decode import decode_moe
+            return self._reduced(decode_moe(hidden, self.w13, self.w2,
+                                            router_logits=router_logits, top_k=top_k,
+                                            renormalize=renormalize))
+        topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize=renormalize)
+        return self(hidden, topk_weights, topk_ids)
+
+    def _reduced(self, out: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            tp_all_reduce(out)
+        return out
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+        if self._takes_decode_path(hidden.shape[0], topk_ids.shape[1]):
+            from tandem.workers.ops.gpu.moe_decode import decode_moe
+            return self._reduced(decode_moe(hidden, self.w13, self.w2,
+                                            topk_weights=topk_weights, topk_ids=topk_ids))
         if self.dispatcher is not None:
             dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
             out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
@@ -275,9 +307,7 @@ class FusedMoE(nn.Module):
                               w13_bias=self.w13_bias,
                               w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
                               **self._activation_kwargs)
-        if self.tp_size > 1:
-            tp_all_reduce(out)
-        return out
+        return self._reduced(out)
 
     def _run_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                            topk_ids: torch.Tensor) -> torch.Tensor:

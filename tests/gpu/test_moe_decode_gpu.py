@@ -1,0 +1,155 @@
+"""The decode MoE kernels (workers/ops/gpu/moe_decode.py) against the torch reference, bf16.
+
+Skips without a GPU (tests/gpu/conftest.py) or without triton.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.workers.ops.backend import triton_available
+from tandem.workers.ops.moe import select_experts, torch_fused_moe
+
+if not triton_available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from tandem.workers.ops.gpu import moe_decode  # noqa: E402  (needs triton)
+
+# (experts, top_k, hidden, intermediate): Mixtral-like, a mid shape, Qwen3-30B-A3B's experts,
+# and DeepSeek-V3's expert count with a small hidden size.
+SHAPES = [(8, 2, 1024, 512), (64, 8, 1024, 512), (128, 8, 2048, 768), (256, 8, 512, 256)]
+TOKENS = [1, 2, 7, 16, 64]
+MAX_REL = 1e-2
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def make_case(num_tokens, num_experts, hidden_size, size, seed=0, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+    hidden = randn(num_tokens, hidden_size)
+    w13 = randn(num_experts, 2 * size, hidden_size, scale=hidden_size ** -0.5)
+    w2 = randn(num_experts, hidden_size, size, scale=size ** -0.5)
+    logits = randn(num_tokens, num_experts)
+    return hidden, w13, w2, logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("num_experts, top_k, hidden_size, size", SHAPES)
+def test_decode_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, size):
+    hidden, w13, w2, logits = make_case(num_tokens, num_experts, hidden_size, size,
+                                        seed=num_tokens)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    ref = torch_fused_moe(hidden, w13, w2, weights, ids)
+    given = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids)
+    routed = moe_decode.decode_moe(hidden, w13, w2, router_logits=logits, top_k=top_k)
+    for out in (given, routed):
+        assert out.shape == ref.shape and out.dtype == torch.bfloat16
+        assert rel(out, ref) <= MAX_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_experts, top_k", [(8, 2), (128, 8), (60, 4)])
+def test_route_kernel_matches_select_experts(num_experts, top_k, renormalize):
+    logits = torch.randn(33, num_experts, device="cuda")
+    weights, ids = moe_decode.route_and_align(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts(logits, top_k, renormalize=renormalize)
+    order, ref_order = ids.long().argsort(1), ref_ids.argsort(1)
+    assert torch.equal(ids.long().gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 2), (64, 8), (128, 8)])
+def test_align_groups_pairs_by_expert_in_pair_order(num_tokens, top_k):
+    ids = torch.randint(0, 128, (num_tokens, top_k), device="cuda")
+    sorted_ids, counts, starts, active = moe_decode.align(ids, 128)
+    flat = ids.reshape(-1)
+    assert torch.equal(counts.long(), torch.bincount(flat, minlength=128))
+    assert torch.equal(starts.long(), counts.long().cumsum(0) - counts.long())
+    assert torch.equal(sorted_ids.long(), torch.argsort(flat, stable=True))
+    assert torch.equal(active.long(), flat.unique())
+
+
+@pytest.mark.gpu
+def test_tokens_that_pick_the_same_experts():
+    """Every token on the same k experts: one program reads each expert for all tokens."""
+    hidden, w13, w2, _ = make_case(48, 16, 256, 128)
+    ids = torch.tensor([[3, 7, 11, 0]], device="cuda").expand(48, 4).contiguous()
+    weights = torch.softmax(torch.randn(48, 4, device="cuda"), dim=-1)
+    ref = torch_fused_moe(hidden, w13, w2, weights, ids)
+    out = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids)
+    assert rel(out, ref) <= MAX_REL
+
+
+@pytest.mark.gpu
+def test_decode_moe_replays_in_a_cuda_graph():
+    hidden, w13, w2, logits = make_case(8, 128, 512, 256)
+    static_logits = logits.clone()
+    moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8)
+    for seed in range(3):
+        static_logits.copy_(torch.randn(8, 128, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)))
+        graph.replay()
+        weights, ids = select_experts(static_logits, 8, renormalize=True)
+        assert rel(out, torch_fused_moe(hidden, w13, w2, weights, ids)) <= MAX_REL
+
+
+@pytest.mark.gpu
+def test_fused_moe_module_takes_decode_path_on_aiter_backend():
+    from tandem.workers.ops.aiter_compat import aiter_available
+    from tandem.workers.ops.backend import KernelBackend
+    from tandem.workers.ops.moe import FusedMoE
+    if not aiter_available():
+        pytest.skip("amd-aiter is not installed")
+    E, k, H, I = 64, 8, 512, 256
+    layers = [FusedMoE(E, H, I, backend=b).to("cuda", torch.bfloat16)
+              for b in (KernelBackend.TORCH, KernelBackend.AITER_TRITON)]
+    hidden, w13, w2, logits = make_case(4, E, H, I)
+    for layer in layers:
+        layer.w13.data.copy_(w13)
+        layer.w2.data.copy_(w2)
+    ref, out = (layer.forward_logits(hidden, logits, top_k=k, renormalize=True)
+                for layer in layers)
+    assert rel(out, ref) <= MAX_REL
+
+
+def test_bad_arguments_are_named():
+    hidden, w13, w2, logits = (torch.zeros(2, 8), torch.zeros(4, 8, 8), torch.zeros(4, 8, 4),
+                               torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="router_logits and top_k"):
+        moe_decode.decode_moe(hidden, w13, w2)
+    with pytest.raises(ValueError, match="at most"):
+        moe_decode.decode_moe(torch.zeros(2000, 8), w13, w2,
+                              router_logits=torch.zeros(2000, 4), top_k=2)
+
+
+# -- engine: tiny softmax-routed MoE models on aiter-triton, decode through CUDA graphs --------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_unnormed", "mixtral"])
+def test_moe_engine_fp32_greedy_equals_transformers_with_graphs(moe_checkpoint, name):
+    """Batches of up to 8 sequences take the decode kernels for routing and experts (fp32
+    dots, no tf32): greedy tokens equal fp32 transformers'."""
+    from helpers.checkpoints import PARITY_LENGTHS, random_prompts
+
+    from tandem import LLM, SamplingParams
+    from tandem.workers.ops.aiter_compat import aiter_available
+    if not aiter_available():
+        pytest.skip("amd-aiter is not installed")
+    ckpt = moe_checkpoint(name)
+    greedy = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    prompts = [p[:30] for p in random_prompts(PARITY_LENGTHS, seed=43)]  # prefill <= 512 pairs
+    llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton", max_num_seqs=8)
+    assert llm.engine.runner.graphs is not None
+    for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
+        assert out.token_ids == ckpt.greedy(prompt, 24)
