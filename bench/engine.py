@@ -67,19 +67,24 @@ def _install_prefilled(engine, batch: int, context: int, gen: torch.Generator) -
 
 
 def _experts_read(engine, inputs) -> int:
-    """Distinct routed experts chosen in this step, summed over MoE layers (one eager pass)."""
+    """Distinct routed experts chosen in this step, summed over MoE layers (one eager pass, on
+    the general path: the decode kernels route on the device, where no hook sees the ids)."""
     from tandem.workers.ops.moe import FusedMoE
 
     counts: list[int] = []
+    layers = [m for m in engine.model.modules() if isinstance(m, FusedMoE)]
     hooks = [m.register_forward_pre_hook(
-        lambda _m, a: counts.append(int(torch.unique(a[2]).numel())))
-        for m in engine.model.modules() if isinstance(m, FusedMoE)]
+        lambda _m, a: counts.append(int(torch.unique(a[2]).numel()))) for m in layers]
+    decode_max_pairs = [m.decode_max_pairs for m in layers]
     try:
+        for m in layers:
+            m.decode_max_pairs = 0
         with torch.inference_mode():
             engine.model(inputs.input_ids, inputs.positions, inputs.meta)
     finally:
-        for hook in hooks:
+        for hook, m, saved in zip(hooks, layers, decode_max_pairs):
             hook.remove()
+            m.decode_max_pairs = saved
     return sum(counts)
 
 

@@ -42,9 +42,10 @@ def decode_table(args, copy_bps: float) -> list[str]:
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     expert_bytes = 3 * h * i * 2
     weights = expert_weights(args, copies_to_defeat_l2(e * expert_bytes))
-    configs = [dict(block_m=16, gate_up_block_n=n, down_block_n=n, block_k=bk, num_warps=w,
-                    num_stages=s)
-               for n, bk, w, s in itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))]
+    configs = [dict(block_m=16, gate_up_block_n=n, down_block_n=dn, block_k=bk, down_block_k=dk,
+                    num_warps=w, num_stages=s)
+               for n, dn, bk, dk, (w, s) in itertools.product(
+                   (16, 32, 64), (16, 64), (128, 256), (128, 256), ((4, 3), (4, 4), (8, 3)))]
     lines = [f"{'batch':>5} {'floor us':>8} {'aiter us':>8} {'decode us':>9} {'best us':>8} "
              f"{'best/floor':>10}  best config"]
     for batch in args.batches:
@@ -138,7 +139,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")],
-                        default=[1, 2, 4, 8, 16, 32, 64, 128])
+                        default=[1, 4, 8, 16, 64, 128])
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="0: skip")
     args = parser.parse_args()
     limits = measure_limits()

@@ -11,6 +11,8 @@ Fields, each with the environment variable that gives its default:
     pdl                  TANDEM_PDL=0 turns off programmatic dependent launch (ops/gpu/pdl.py)
     one_shot_all_reduce  TANDEM_ONE_SHOT_ALL_REDUCE=0 sends every TP all-reduce through NCCL
                          (parallel/one_shot_all_reduce.py)
+    moe_decode           TANDEM_MOE_DECODE=0 sends decode-sized MoE batches through AITER's
+                         fused_moe too (ops/moe.py; the decode kernels are ops/gpu/moe_decode.py)
     kernel_cache         TANDEM_KERNEL_CACHE: where our CUDA C++ kernels are built
                          (ops/gpu/cuda_build.py); empty: ~/.cache/tandem/kernels
 
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SWITCHES = {"block_decode": "TANDEM_BLOCK_DECODE", "pdl": "TANDEM_PDL",
-            "one_shot_all_reduce": "TANDEM_ONE_SHOT_ALL_REDUCE"}
+            "one_shot_all_reduce": "TANDEM_ONE_SHOT_ALL_REDUCE",
+            "moe_decode": "TANDEM_MOE_DECODE"}
 KERNEL_CACHE = "TANDEM_KERNEL_CACHE"
 
 
@@ -35,6 +38,7 @@ class KernelOptions:
     block_decode: bool = True
     pdl: bool = True
     one_shot_all_reduce: bool = True
+    moe_decode: bool = True
     kernel_cache: str = ""
 
     def __post_init__(self) -> None:

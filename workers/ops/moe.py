@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.workers.ops import kernel_options
 from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe, check_aiter_triton_args
 from tandem.workers.ops.linear import tp_rank_and_size
@@ -39,7 +40,7 @@ from tandem.workers.parallel.all_reduce import tp_all_reduce
 
 # At most this many (token, slot) pairs take the decode kernels (moe_decode.py) on
 # aiter-triton; larger batches take AITER's grouped fused_moe.
-DECODE_MAX_PAIRS = 512
+DECODE_MAX_PAIRS = 1024
 
 # Checkpoint shard ids: which projection of one expert a tensor holds.
 GATE, UP, DOWN = "w1", "w3", "w2"
@@ -199,6 +200,10 @@ class FusedMoE(nn.Module):
                                  f"{e}") from e
         self.backend = backend
         self._fused_moe = _KERNELS[self.backend]
+        # Batches of up to this many (token, slot) pairs take the decode kernels; 0: none.
+        self.decode_max_pairs = DECODE_MAX_PAIRS if (
+            backend is KernelBackend.AITER_TRITON and self.dispatcher is None
+            and kernel_options.current().moe_decode) else 0
 
     def _init_parallel(self) -> None:
         """TP: every expert, a 1/tp slice of I (tp_rank, tp_size). EP: whole experts
@@ -273,8 +278,7 @@ class FusedMoE(nn.Module):
         return self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None
 
     def _takes_decode_path(self, num_tokens: int, top_k: int) -> bool:
-        return (self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None
-                and 0 < num_tokens * top_k <= DECODE_MAX_PAIRS)
+        return 0 < num_tokens * top_k <= self.decode_max_pairs
 
     def forward_logits(self, hidden: torch.Tensor, router_logits: torch.Tensor, *, top_k: int,
                        renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
