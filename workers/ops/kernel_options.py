@@ -38,8 +38,8 @@ class KernelOptions:
     block_decode: bool = True
     pdl: bool = True
     one_shot_all_reduce: bool = True
-    moe_decode: bool = True
     kernel_cache: str = ""
+    moe_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in SWITCHES:

@@ -21,11 +21,12 @@ WORKER_ARGS = ["--role", "both", "--model", "m", "--port", "1"]
 
 
 def test_the_environment_gives_the_defaults(monkeypatch):
-    assert KernelOptions.from_env({}) == KernelOptions(True, True, True, True, "")
+    assert KernelOptions.from_env({}) == KernelOptions(True, True, True, "")
     env = {"TANDEM_BLOCK_DECODE": "0", "TANDEM_PDL": "1", "TANDEM_ONE_SHOT_ALL_REDUCE": "0",
-           "TANDEM_MOE_DECODE": "0", KERNEL_CACHE: "/tmp/k"}
-    assert KernelOptions.from_env(env) == KernelOptions(False, True, False, False, "/tmp/k")
+           KERNEL_CACHE: "/tmp/k"}
+    assert KernelOptions.from_env(env) == KernelOptions(False, True, False, "/tmp/k")
     assert KernelOptions.from_env(env).kernel_cache_dir == Path("/tmp/k")
+    assert KernelOptions.from_env({"TANDEM_MOE_DECODE": "0"}).moe_decode is False
     monkeypatch.setenv("TANDEM_PDL", "0")
     assert EngineConfig(model="m").kernel_options.pdl is False
 
