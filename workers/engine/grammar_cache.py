@@ -112,6 +112,20 @@ class CompiledGrammar:
             source = self._replicas[replica]
         return source.deep_copy()
 
+    def rebind(self, use: GrammarUse):
+        """A new matcher for use from a replica with at least two fewer bound matchers than
+        its own, moving use there (the caller replays the request's tokens into it); None
+        when its replica is within one of the lightest."""
+        with self._lock:
+            lightest = min(range(len(self._replicas)), key=self._num_bound.__getitem__)
+            if self._num_bound[use.replica] - self._num_bound[lightest] < 2:
+                return None
+            self._num_bound[use.replica] -= 1
+            self._num_bound[lightest] += 1
+            use.replica = lightest
+            source = self._replicas[lightest]
+        return source.deep_copy()
+
     def unbound_matcher(self):
         """A matcher of this grammar outside the replica accounting (references, tools)."""
         return self._replicas[0].deep_copy()

@@ -29,12 +29,16 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 BITS_PER_WORD = 32
+# A request bound while its grammar had fewer replicas moves to a new, lighter one while it
+# has accepted at most this many tokens (each is replayed into the new matcher).
+MAX_REBIND_TOKENS = 32
 
 
 class RequestGrammar:
     """One request's grammar: `accept` every token it generates, in order."""
 
-    __slots__ = ("compiled", "matcher", "num_accepted", "use", "__weakref__")
+    __slots__ = ("compiled", "matcher", "num_accepted", "use", "num_replicas_seen",
+                 "__weakref__")
 
     def __init__(self, compiled: Future) -> None:
         self.compiled = compiled  # Future[CompiledGrammar], shared by the grammar's requests
@@ -43,6 +47,7 @@ class RequestGrammar:
         # This request's claim on the compiled grammar (counted from the compile's end, so
         # the grammar's replicas compile while the request prefills).
         self.use = None
+        self.num_replicas_seen = 0  # the grammar's replicas when the matcher was (re)bound
         owner = weakref.ref(self)
         compiled.add_done_callback(lambda done: _register(owner, done))
 
@@ -58,10 +63,21 @@ class RequestGrammar:
         return None if exc is None else str(exc)
 
     def start(self, seq: Sequence) -> None:
-        """Build the matcher (once compiled) and consume the tokens seq generated so far."""
+        """Build the matcher (once compiled) and consume the tokens seq generated so far.
+        A young matcher moves to a replica compiled since it was bound, if that one is
+        lighter: a burst of requests that bound before the replicas existed spreads out."""
+        compiled = self.compiled.result()
         if self.matcher is None:
-            compiled = self.compiled.result()
+            self.num_replicas_seen = compiled.num_replicas
             self.matcher = compiled.bind(compiled.register(self))
+        elif compiled.num_replicas != self.num_replicas_seen \
+                and self.num_accepted <= MAX_REBIND_TOKENS and not self.matcher.is_error():
+            self.num_replicas_seen = compiled.num_replicas
+            moved = compiled.rebind(self.use)
+            if moved is not None:
+                first = seq.num_prompt_tokens
+                moved.consume_tokens(seq.token_ids[first:first + self.num_accepted])
+                self.matcher = moved
         pending = seq.token_ids[seq.num_prompt_tokens + self.num_accepted:seq.num_known_tokens]
         if pending:
             self._consume(pending)

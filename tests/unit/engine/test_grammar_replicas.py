@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from helpers.checkpoints import VOCAB
 from tandem.bench.structured_host import parse_variant
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.structured_output import StructuredOutput
-from tandem.workers.engine.grammar_cache import GrammarCompiler
+from tandem.workers.engine.grammar_cache import CompiledGrammar, GrammarCompiler
 from tandem.workers.engine.grammar_mask import GrammarMasker, RequestGrammar
 from tandem.workers.engine.sequence import Sequence
 
@@ -62,29 +63,37 @@ def settle(compiled) -> None:
         time.sleep(0.01)
 
 
+def run_steps(seqs: list[Sequence], num_steps: int, on_step=None) -> list[np.ndarray]:
+    """Fills and advances seqs num_steps times, row r taking allowed token r * (step + 1)
+    (mod the allowed count), so the rows part ways; each step's [B, W] bitmask."""
+    masker = GrammarMasker((EOS,), num_threads=2)
+    masks = []
+    for step in range(num_steps):
+        if on_step is not None:
+            on_step(step)
+        words = masker.fill(seqs, VOCAB, torch.device("cpu")).numpy().copy()
+        masks.append(words)
+        for row, seq in enumerate(seqs):
+            bits = np.unpackbits(words[row].view(np.uint8), count=VOCAB, bitorder="little")
+            allowed = np.flatnonzero(bits)
+            token = int(allowed[(row * (step + 1)) % len(allowed)])
+            if token == EOS:
+                token = int(allowed[0])
+            seq.append_token(token)
+            assert not seq.grammar.accept(token)
+    return masks
+
+
 def test_requests_of_one_grammar_spread_over_replicas_with_one_matchers_masks(make_compiler):
-    """Four requests on a grammar with two replicas: two bound to each; step by step (each row
-    taking a different allowed token, so the rows part ways) their masks equal those of four
-    requests sharing one matcher."""
+    """Four requests on a grammar with two replicas: two bound to each; step by step their
+    masks equal those of four requests sharing one matcher."""
     shared, spread = make_compiler(1), make_compiler(2)
     runs = {}
     for name, compiler in (("shared", shared), ("spread", spread)):
         seqs = [constrained(compiler) for _ in range(4)]
         compiled = seqs[0].grammar.compiled.result()
         settle(compiled)
-        masker = GrammarMasker((EOS,), num_threads=2)
-        masks = []
-        for step in range(24):
-            words = masker.fill(seqs, VOCAB, torch.device("cpu")).numpy().copy()
-            masks.append(words)
-            for row, seq in enumerate(seqs):
-                bits = np.unpackbits(words[row].view(np.uint8), count=VOCAB, bitorder="little")
-                allowed = np.flatnonzero(bits)
-                token = int(allowed[(row * (step + 1)) % len(allowed)])
-                if token == EOS:
-                    token = int(allowed[0])
-                seq.append_token(token)
-                assert not seq.grammar.accept(token)
+        masks = run_steps(seqs, 24)
         runs[name] = masks, [seq.grammar.use.replica for seq in seqs], compiled.num_replicas
     assert runs["shared"][1:] == ([0, 0, 0, 0], 1)
     assert sorted(runs["spread"][1]) == [0, 0, 1, 1] and runs["spread"][2] == 2
@@ -127,6 +136,34 @@ def test_a_request_created_while_its_grammar_compiles_counts_once_it_has(make_co
     for seq in waiting:
         seq.grammar.start(seq)
     assert sorted(seq.grammar.use.replica for seq in waiting) == [0, 1]
+
+
+def test_young_requests_move_to_replicas_compiled_after_they_bound(tokenizer, make_compiler):
+    """Four requests bind while their grammar has one replica; when the second arrives, two of
+    them move to it (their tokens replayed) and every mask stays that of a shared matcher."""
+    from llguidance import LLMatcher
+
+    grammar = SPEC.grammar_text()
+    held: list = []  # replica compiles, run when the test says
+    compiled = CompiledGrammar(LLMatcher(tokenizer, grammar, log_level=0),
+                               lambda: LLMatcher(tokenizer, grammar, log_level=0),
+                               lambda work: held.append(work) or True, max_replicas=2)
+    ready: Future = Future()
+    ready.set_result(compiled)
+    seqs = [Sequence([1, 2, 3], SamplingParams(max_tokens=64)) for _ in range(4)]
+    for seq in seqs:
+        seq.grammar = RequestGrammar(ready)
+    assert len(held) == 1 and compiled.num_replicas == 1
+
+    def add_replica_at_step_5(step: int) -> None:
+        if step == 5:
+            held.pop()()
+    masks = run_steps(seqs, 24, add_replica_at_step_5)
+    assert compiled.num_replicas == 2
+    assert sorted(seq.grammar.use.replica for seq in seqs) == [0, 0, 1, 1]
+    reference = [constrained(make_compiler(1)) for _ in range(4)]
+    for step, (one, two) in enumerate(zip(run_steps(reference, 24), masks)):
+        assert np.array_equal(one, two), f"step {step}"
 
 
 @pytest.mark.parametrize("text,expected", [
