@@ -2,7 +2,8 @@
 
     compiler = GrammarCompiler(model_path, vocab_size, eos_token_ids)
     future = compiler.compile(spec)   # concurrent.futures.Future[CompiledGrammar]; never blocks
-    matcher, replica = future.result().bind(request)  # one per request (grammar_mask.py)
+    grammar = future.result()
+    matcher = grammar.bind(grammar.register(request))  # one per request (grammar_mask.py)
 
 Compiling (the model's tokenizer the first time, then the grammar's parser) runs on a small
 thread pool; llguidance drops the GIL while it builds, so the engine thread keeps stepping.
