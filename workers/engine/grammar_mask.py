@@ -1,40 +1,55 @@
 """A constrained request's grammar state, and the token masks it puts on the sampler's logits.
 
 Each constrained sequence owns a `RequestGrammar`: the future of its compiled grammar
-(grammar_cache.py) and, from its first sampled step, its own matcher. The matcher is built
-from the tokens the sequence already generated, wherever they came from (this engine, a
-prefill worker's first token, a worker the request migrated from), so a request continued
-elsewhere is constrained exactly as if one engine had run it.
+(grammar_cache.py) and, from its first sampled step, its own matcher, copied from one of the
+grammar's replicas. The matcher is built from the tokens the sequence already generated,
+wherever they came from (this engine, a prefill worker's first token, a worker the request
+migrated from), so a request continued elsewhere is constrained exactly as if one engine had
+run it.
 
 Per step, `GrammarMasker.apply_` fills one bitmask row per constrained sequence (llguidance,
-in parallel over its threads) and sets every disallowed logit to -inf on the logits' device.
+in parallel over its threads, rows grouped by the replica whose lexer they share) and sets
+every disallowed logit to -inf on the logits' device.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+import weakref
+
 import numpy as np
 import torch
 
 from tandem.common.logging import get_logger
+from tandem.workers.engine.grammar_cache import default_fill_threads
 
 if TYPE_CHECKING:
     from tandem.workers.engine.sequence import Sequence
 
 logger = get_logger(__name__)
 BITS_PER_WORD = 32
+# A request bound while its grammar had fewer replicas moves to a new, lighter one while it
+# has accepted at most this many tokens (each is replayed into the new matcher).
+MAX_REBIND_TOKENS = 32
 
 
 class RequestGrammar:
     """One request's grammar: `accept` every token it generates, in order."""
 
-    __slots__ = ("compiled", "matcher", "num_accepted")
+    __slots__ = ("compiled", "matcher", "num_accepted", "use", "num_replicas_seen",
+                 "__weakref__")
 
     def __init__(self, compiled: Future) -> None:
-        self.compiled = compiled  # Future[LLMatcher], pristine and shared: never advanced
-        self.matcher = None  # this request's own copy, made by `start`
+        self.compiled = compiled  # Future[CompiledGrammar], shared by the grammar's requests
+        self.matcher = None  # this request's own matcher, made by `start`
         self.num_accepted = 0  # completion tokens the matcher has consumed
+        # This request's claim on the compiled grammar (counted from the compile's end, so
+        # the grammar's replicas compile while the request prefills).
+        self.use = None
+        self.num_replicas_seen = 0  # the grammar's replicas when the matcher was (re)bound
+        owner = weakref.ref(self)
+        compiled.add_done_callback(lambda done: _register(owner, done))
 
     @property
     def is_ready(self) -> bool:
@@ -48,12 +63,29 @@ class RequestGrammar:
         return None if exc is None else str(exc)
 
     def start(self, seq: Sequence) -> None:
-        """Build the matcher (once compiled) and consume the tokens seq generated so far."""
+        """Build the matcher (once compiled) and consume the tokens seq generated so far.
+        A young matcher moves to a replica compiled since it was bound, if that one is
+        lighter: a burst of requests that bound before the replicas existed spreads out."""
+        compiled = self.compiled.result()
         if self.matcher is None:
-            self.matcher = self.compiled.result().deep_copy()
+            self.num_replicas_seen = compiled.num_replicas
+            self.matcher = compiled.bind(compiled.register(self))
+        elif compiled.num_replicas != self.num_replicas_seen \
+                and self.num_accepted <= MAX_REBIND_TOKENS and not self.matcher.is_error():
+            self.num_replicas_seen = compiled.num_replicas
+            moved = compiled.rebind(self.use)
+            if moved is not None:
+                first = seq.num_prompt_tokens
+                moved.consume_tokens(seq.token_ids[first:first + self.num_accepted])
+                self.matcher = moved
         pending = seq.token_ids[seq.num_prompt_tokens + self.num_accepted:seq.num_known_tokens]
         if pending:
             self._consume(pending)
+
+    @property
+    def fill_group(self) -> tuple[int, int]:
+        """Rows with equal groups share a lexer (and its lock): the fill keeps them together."""
+        return id(self.compiled), self.use.replica
 
     def accept(self, token_id: int) -> bool:
         """Advance past a generated token; True when the grammar is finished (the output is
@@ -70,12 +102,20 @@ class RequestGrammar:
         self.num_accepted += len(token_ids)
 
 
+def _register(owner: weakref.ref, compiled: Future) -> None:
+    grammar = owner()
+    if grammar is not None and not compiled.cancelled() and compiled.exception() is None:
+        compiled.result().register(grammar)
+
+
 class GrammarMasker:
     """Masks the logits of constrained rows. One per sampler; not thread-safe.
 
     A step's mask work, in order (`apply_` runs all three; the host bench times each):
       fill      one bitmask row per constrained sequence, computed by llguidance's threads
-                (without the GIL) into a host buffer kept across steps: [B, W] int32 words,
+                (without the GIL; the rows handed over grouped by replica, so a thread takes
+                a run of rows sharing one lexer rather than waiting on another thread's lock)
+                into a host buffer kept across steps: [B, W] int32 words,
                 bit b of word w set when token 32w + b is allowed. Pinned when the logits live
                 on a GPU, so the copy below is asynchronous.
       to_device one copy of the [B, W] words into a buffer on the logits' device (on CPU the
@@ -86,8 +126,9 @@ class GrammarMasker:
     Steps with no constrained sequence do no mask work at all.
     """
 
-    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], num_threads: int | None = None) -> None:
         self.eos_token_ids = eos_token_ids
+        self.num_threads = default_fill_threads() if num_threads is None else num_threads
         self._executor = None  # llguidance.LLExecutor, made on the first constrained step
         self._host_words: torch.Tensor | None = None  # [max B, W] int32, reused every step
         self._host_device: torch.device | None = None  # the device _host_words was made for
@@ -118,17 +159,16 @@ class GrammarMasker:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         if self._executor is None:
-            self._executor = LLExecutor()
+            self._executor = LLExecutor(self.num_threads)
         words = self._reserve_host_words(len(seqs), -(-vocab_size // BITS_PER_WORD), device)
         array = words.numpy()
         if len(rows) < len(seqs):  # rows a grammar left behind in the buffer allow everything
             array[sorted(set(range(len(seqs))) - set(rows))] = -1
-        matchers = []
         for row in rows:
-            grammar = seqs[row].grammar
-            grammar.start(seqs[row])
-            matchers.append((grammar.matcher, row))
-        fill_next_token_bitmask_par(self._executor, matchers, array)
+            seqs[row].grammar.start(seqs[row])
+        rows.sort(key=lambda row: seqs[row].grammar.fill_group)
+        fill_next_token_bitmask_par(self._executor,
+                                    [(seqs[row].grammar.matcher, row) for row in rows], array)
         self._allow_eos_in_dead_rows(array, vocab_size)
         return words
 

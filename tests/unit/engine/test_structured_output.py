@@ -59,7 +59,7 @@ def allowed_tokens(compiler: GrammarCompiler, spec: StructuredOutput,
                    prefix: list[int]) -> set[int]:
     """The reference: tokens the grammar accepts after prefix, one try_consume per token
     (independent of the bitmask and its unpacking)."""
-    matcher = compiler.compile(spec).result().deep_copy()
+    matcher = compiler.compile(spec).result().unbound_matcher()
     assert matcher.consume_tokens(prefix)
     allowed = set()
     for token in range(VOCAB):
@@ -348,7 +348,7 @@ def test_the_extra_slices_give_llguidances_default_masks(tmp_path):
     spec = StructuredOutput("json_schema", json.dumps(schema))
     compiler = GrammarCompiler(tmp_path, vocab_size, [hf_tokenizer.eos_token_id])
     try:
-        ours = compiler.compile(spec).result().deep_copy()
+        ours = compiler.compile(spec).result().unbound_matcher()
     finally:
         compiler.shutdown()
     default = LLMatcher(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size),
