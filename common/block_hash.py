@@ -19,19 +19,34 @@ Python's salted hash().
 """
 from __future__ import annotations
 
-import bisect
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 
 
-# A probe keeps its running hash at least this often (in packed token bytes): copying a state
-# costs about as much as hashing a few hundred bytes.
+# Kept running hashes lie under this many packed token bytes apart: copying a state costs about
+# as much as hashing a thousand bytes, so a probe's cost (copy the state before it, hash on from
+# there) and the cost of keeping the states on the first long probe balance near here. Every
+# update stays below 2048 bytes, from which hashlib releases the GIL around an update (and then
+# around every later update of that object), letting another thread in mid-pick.
 _CHECKPOINT_BYTES = 2048
 
 
-def _pack(token_ids: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(token_ids)}q", *token_ids)
+def _pack(token_ids: Sequence[int]) -> array.array:
+    """The token ids as 8 little-endian bytes each, in an array of unsigned 64-bit items.
+
+    array("Q", ids) converts a list of ids several times faster than struct.pack; an id below
+    zero (never a real token) takes struct's two's complement, so every int64 packs the same
+    either way."""
+    try:
+        packed = array.array("Q", token_ids)
+    except OverflowError:
+        return array.array("Q", struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed
 
 
 def _key(sha) -> int:
@@ -56,11 +71,11 @@ class PromptBlockHashes:
     """The hashes of a prompt's leading full blocks (at most `max_blocks`), each computed when
     asked for: hash_of(count) is the hash of the count-th block.
 
-    The tokens are packed once, as far as asked. Every probe keeps its running SHA-256 state,
-    and one every _CHECKPOINT_BYTES of tokens on its way; a later probe starts from the nearest
-    state before it, so once a probe has hashed the prompt, any other probe hashes at most
-    _CHECKPOINT_BYTES more.
-    The prompt's later picks (the decode tier after the prefill tier) reuse what is kept.
+    A probe past the first block packs all the blocks' tokens, once. The running SHA-256 states at every
+    multiple of `stride` blocks (_CHECKPOINT_BYTES of tokens) are kept as far as any probe
+    reached, so a probe copies the kept state at or before its block and hashes at most
+    `stride` blocks more. The prompt's later picks (the decode tier after the prefill tier)
+    reuse the probed hashes and the states.
     """
 
     def __init__(self, token_ids: Sequence[int], block_size: int,
@@ -72,41 +87,53 @@ class PromptBlockHashes:
         self.block_size = block_size
         self.token_ids = token_ids
         self.probed: dict[int, int] = {}  # block count -> hash of that block
-        self._packed = b""  # the leading tokens' bytes, as far as a probe needed them
-        # Block counts with a kept SHA-256 state (ascending), and the states.
-        self._state_counts: list[int] = [0]
-        self._states: list = [hashlib.sha256()]
+        self.stride = max(1, (_CHECKPOINT_BYTES - 1) // (8 * block_size))  # blocks
+        self._packed: memoryview | None = None  # the blocks' tokens, packed (token units)
+        self._states = [hashlib.sha256()]  # [i]: the running hash of the first i * stride blocks
 
     def __len__(self) -> int:
         return self.num_blocks
 
     def hash_of(self, count: int) -> int:
         """The hash of block number `count` (1-based): of the prompt's first count blocks."""
+        block_hash = self.probed.get(count)
+        if block_hash is not None:
+            return block_hash
         if not 1 <= count <= self.num_blocks:
             raise IndexError(f"block {count} of a prompt with {self.num_blocks} full blocks")
-        block_hash = self.probed.get(count)
-        if block_hash is None:
-            step = 8 * self.block_size
-            if len(self._packed) < count * step:
-                start = len(self._packed) // 8
-                self._packed += _pack(self.token_ids[start:count * self.block_size])
-            counts, states = self._state_counts, self._states
-            position = bisect.bisect_right(counts, count) - 1
-            base = counts[position]
-            sha = states[position].copy()
-            packed = memoryview(self._packed)
-            stride = max(1, _CHECKPOINT_BYTES // step)
-            while count - base > stride:  # no state lies between base and count
-                sha.update(packed[base * step:(base + stride) * step])
-                base += stride
-                position += 1
-                counts.insert(position, base)
-                states.insert(position, sha.copy())
-            sha.update(packed[base * step:count * step])
-            counts.insert(position + 1, count)
-            states.insert(position + 1, sha)
-            block_hash = self.probed[count] = _key(sha)
+        end = count * self.block_size
+        packed = self._packed
+        if packed is None or len(packed) < end:
+            packed = self._packed = memoryview(_pack(self._leading_tokens(end)))
+        stride_tokens = self.stride * self.block_size
+        states = self._states
+        kept = count // self.stride  # the last kept state at or before the block
+        while len(states) <= kept:
+            state_end = len(states) * stride_tokens
+            sha = states[-1].copy()
+            sha.update(packed[state_end - stride_tokens:state_end])
+            states.append(sha)
+        start = kept * stride_tokens
+        if start == end:
+            block_hash = _key(states[kept])
+        else:
+            sha = states[kept].copy()
+            sha.update(packed[start:end])
+            block_hash = _key(sha)
+        self.probed[count] = block_hash
         return block_hash
+
+    def _leading_tokens(self, num_tokens: int) -> Sequence[int]:
+        """At least the first `num_tokens` tokens, to pack: just those while they are at most
+        half of the blocks' tokens (a first-block probe of a prompt nobody holds packs little),
+        else all the blocks' tokens, or the whole prompt where only a block's worth lies past
+        them (slicing costs more than packing a few extra tokens)."""
+        blocks_tokens = self.num_blocks * self.block_size
+        if 2 * num_tokens <= blocks_tokens:
+            return self.token_ids[:num_tokens]
+        if len(self.token_ids) - blocks_tokens <= self.block_size:
+            return self.token_ids
+        return self.token_ids[:blocks_tokens]
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int,

@@ -2,6 +2,9 @@
 and the block manager tells its listener about every key it gains or loses."""
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 
 from tandem.common.block_hash import BlockHasher, PromptBlockHashes, prefix_block_hashes
@@ -101,6 +104,15 @@ def test_prompt_hashes_are_probed_in_any_order_and_kept():
     for count in (0, 91):
         with pytest.raises(IndexError):
             hashes.hash_of(count)
+
+
+def test_every_int64_id_hashes_as_its_eight_little_endian_bytes():
+    token_ids = [0, 1, 50_000, 2**63 - 1, -1, -(2**63)]  # ids below zero take another path
+    expected = hashlib.sha256(struct.pack("<6q", *token_ids)).digest()[:8]
+    assert BlockHasher().next_block(token_ids) == int.from_bytes(expected, "little")
+    hashes = PromptBlockHashes(token_ids + [7], 2)
+    assert [hashes.hash_of(count) for count in (3, 1, 2)] == [
+        prefix_block_hashes(token_ids, 2)[count - 1] for count in (3, 1, 2)]
 
 
 def test_a_growing_sequence_hashes_its_new_blocks_as_the_router_does():
