@@ -101,27 +101,32 @@ class PromptBlockHashes:
             return block_hash
         if not 1 <= count <= self.num_blocks:
             raise IndexError(f"block {count} of a prompt with {self.num_blocks} full blocks")
-        end = count * self.block_size
+        block_size = self.block_size
+        end = count * block_size
         packed = self._packed
         if packed is None or len(packed) < end:
             packed = self._packed = memoryview(_pack(self._leading_tokens(end)))
-        stride_tokens = self.stride * self.block_size
-        states = self._states
         kept = count // self.stride  # the last kept state at or before the block
-        while len(states) <= kept:
-            state_end = len(states) * stride_tokens
-            sha = states[-1].copy()
-            sha.update(packed[state_end - stride_tokens:state_end])
-            states.append(sha)
-        start = kept * stride_tokens
-        if start == end:
-            block_hash = _key(states[kept])
-        else:
-            sha = states[kept].copy()
+        states = self._states
+        if len(states) <= kept:
+            self._keep_states(kept)
+        sha = states[kept]
+        start = kept * self.stride * block_size
+        if start < end:
+            sha = sha.copy()
             sha.update(packed[start:end])
-            block_hash = _key(sha)
-        self.probed[count] = block_hash
+        block_hash = self.probed[count] = int.from_bytes(sha.digest()[:8], "little")
         return block_hash
+
+    def _keep_states(self, last: int) -> None:
+        """Keeps the running hashes up to the `last`-th multiple of the stride."""
+        states, packed = self._states, self._packed
+        stride_tokens = self.stride * self.block_size
+        while len(states) <= last:
+            end = len(states) * stride_tokens
+            sha = states[-1].copy()
+            sha.update(packed[end - stride_tokens:end])
+            states.append(sha)
 
     def _leading_tokens(self, num_tokens: int) -> Sequence[int]:
         """At least the first `num_tokens` tokens, to pack: just those while they are at most

@@ -68,6 +68,7 @@ class RoutingPolicy:
         self._turn = itertools.count()  # round-robin
         self._picks = itertools.count()
         self._last_picked: dict[str, int] = {}  # address -> the number of its latest pick
+        self._reason_counters: dict[tuple[str, str], object] = {}  # (reason, role) -> counter
 
     def attach(self, pool) -> None:
         """Routes the pool's picks; cache-aware follows every worker's KV events. Call before
@@ -89,19 +90,20 @@ class RoutingPolicy:
                                  0, note)
         if self.policy == "least-loaded" or not prompt_token_ids:
             loads = [_load(worker) for worker in candidates]
-            return self._decided(self._lowest(candidates, loads), "least_loaded", 0, note)
+            return self._decided(candidates[self._lowest(candidates, loads)], "least_loaded",
+                                 0, note)
         cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
         most = max(cached)
         if most == 0:  # nobody holds the prefix
             loads = [_load(worker) for worker in candidates]
-            return self._decided(self._lowest(candidates, loads), "least_loaded", 0, note)
+            return self._decided(candidates[self._lowest(candidates, loads)], "least_loaded",
+                                 0, note)
         weight = self.cache_weight / len(prompt_token_ids)
         costs = [_load(worker) - weight * tokens for worker, tokens in zip(candidates, cached)]
-        chosen = self._lowest(candidates, costs)
-        chosen_tokens = cached[candidates.index(chosen)]
+        position = self._lowest(candidates, costs)
         # load_override: a worker holding more of the prompt was too busy.
-        reason = "cache_hit" if chosen_tokens == most else "load_override"
-        return self._decided(chosen, reason, chosen_tokens, note)
+        reason = "cache_hit" if cached[position] == most else "load_override"
+        return self._decided(candidates[position], reason, cached[position], note)
 
     def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
                                 note: RoutingNote | None = None) -> list[int]:
@@ -134,22 +136,27 @@ class RoutingPolicy:
             self.metrics.routing_predicted_cached_tokens.inc(note.predicted_cached_tokens)
             self.metrics.routing_actual_cached_tokens.inc(actual_cached_tokens)
 
-    def _lowest(self, candidates: list, costs: list[float]):
-        """The lowest-cost candidate; among equal costs, the one picked longest ago."""
+    def _lowest(self, candidates: list, costs: list[float]) -> int:
+        """The position of the lowest-cost candidate; among equal costs, the one picked longest
+        ago."""
         best = min(costs)
         last_picked = self._last_picked
-        chosen, chosen_pick = None, 0
-        for worker, cost in zip(candidates, costs):
+        chosen, chosen_pick = 0, None
+        for position, cost in enumerate(costs):
             if cost == best:
-                picked = last_picked.get(worker.address, -1)
-                if chosen is None or picked < chosen_pick:
-                    chosen, chosen_pick = worker, picked
+                picked = last_picked.get(candidates[position].address, -1)
+                if chosen_pick is None or picked < chosen_pick:
+                    chosen, chosen_pick = position, picked
         return chosen
 
     def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None):
         self._last_picked[worker.address] = next(self._picks)
         if self.metrics is not None:
-            self.metrics.routing_reasons.labels(reason=reason, role=worker.role).inc()
+            counter = self._reason_counters.get((reason, worker.role))
+            if counter is None:  # labels() costs more than the rest of a least-loaded pick
+                counter = self._reason_counters[reason, worker.role] = \
+                    self.metrics.routing_reasons.labels(reason=reason, role=worker.role)
+            counter.inc()
         if note is not None and worker.role in _PROMPT_TIERS:
             note.predicted_cached_tokens = predicted_tokens
             note.reason = reason
