@@ -2,7 +2,8 @@
 same keys from a prompt's token ids to know which worker holds its prefix).
 
 A full block's hash is the hash of every token up to the block's end: SHA-256 over the token
-ids, each as 8 little-endian bytes, truncated to its first 8 bytes (read little-endian). It
+ids, each as 4 little-endian bytes (ids are int32 in the protocol; one below zero hashes as its
+two's complement), truncated to its first 8 bytes (read little-endian). It
 depends on the block's tokens and on every token before them, as a chain of per-block hashes
 would, and it does not depend on the block size. Unlike a chain, the hash of any one block of a
 prompt is a single call over the prompt's leading bytes: the router probes the few block counts
@@ -21,29 +22,30 @@ from __future__ import annotations
 
 import array
 import hashlib
-import struct
 import sys
 from collections.abc import Sequence
 
 
-# Kept running hashes lie under this many packed token bytes apart: copying a state costs about
-# as much as hashing a thousand bytes, so a probe's cost (copy the state before it, hash on from
-# there) and the cost of keeping the states on the first long probe balance near here. Every
+# Kept running hashes lie under this many packed token bytes apart: keeping one more state costs
+# about as much as hashing 500 bytes and a later probe hashes half the distance on average, so
+# the states a long first probe keeps and the bytes later probes hash balance near here. Every
 # update stays below 2048 bytes, from which hashlib releases the GIL around an update (and then
 # around every later update of that object), letting another thread in mid-pick.
 _CHECKPOINT_BYTES = 2048
+_ID_BYTES = 4  # per token id, packed
+if array.array("I").itemsize != _ID_BYTES:
+    raise ImportError("tandem's block hash needs a 4-byte C unsigned int (array typecode 'I')")
 
 
 def _pack(token_ids: Sequence[int]) -> array.array:
-    """The token ids as 8 little-endian bytes each, in an array of unsigned 64-bit items.
+    """The token ids as 4 little-endian bytes each (the id modulo 2**32: the protocol's int32
+    ids, two's complement below zero), in an array of unsigned 32-bit items.
 
-    array("Q", ids) converts a list of ids several times faster than struct.pack; an id below
-    zero (never a real token) takes struct's two's complement, so every int64 packs the same
-    either way."""
+    array("I", ids) converts a list of ids several times faster than struct.pack."""
     try:
-        packed = array.array("Q", token_ids)
-    except OverflowError:
-        return array.array("Q", struct.pack(f"<{len(token_ids)}q", *token_ids))
+        packed = array.array("I", token_ids)
+    except OverflowError:  # an id below zero or past 32 bits (never a real token)
+        packed = array.array("I", [token_id & 0xFFFFFFFF for token_id in token_ids])
     if sys.byteorder == "big":
         packed.byteswap()
     return packed
@@ -87,7 +89,7 @@ class PromptBlockHashes:
         self.block_size = block_size
         self.token_ids = token_ids
         self.probed: dict[int, int] = {}  # block count -> hash of that block
-        self.stride = max(1, (_CHECKPOINT_BYTES - 1) // (8 * block_size))  # blocks
+        self.stride = max(1, (_CHECKPOINT_BYTES - 1) // (_ID_BYTES * block_size))  # blocks
         self._packed: memoryview | None = None  # the blocks' tokens, packed (token units)
         self._states = [hashlib.sha256()]  # [i]: the running hash of the first i * stride blocks
 
