@@ -29,8 +29,9 @@ from collections.abc import Sequence
 # Kept running hashes lie under this many packed token bytes apart: keeping one more state costs
 # about as much as hashing 500 bytes and a later probe hashes half the distance on average, so
 # the states a long first probe keeps and the bytes later probes hash balance near here. Every
-# update stays below 2048 bytes, from which hashlib releases the GIL around an update (and then
-# around every later update of that object), letting another thread in mid-pick.
+# update stays below 2048 bytes (for blocks under 512 tokens), from which hashlib releases the
+# GIL around an update (and then around every later update of that object), letting another
+# thread in mid-pick.
 _CHECKPOINT_BYTES = 2048
 _ID_BYTES = 4  # per token id, packed
 if array.array("I").itemsize != _ID_BYTES:
