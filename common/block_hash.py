@@ -28,11 +28,11 @@ from collections.abc import Sequence
 
 # Kept running hashes lie under this many packed token bytes apart: keeping one more state costs
 # about as much as hashing 500 bytes and a later probe hashes half the distance on average, so
-# the states a long first probe keeps and the bytes later probes hash balance near here. Every
-# update stays below 2048 bytes (for blocks under 512 tokens), from which hashlib releases the
-# GIL around an update (and then around every later update of that object), letting another
-# thread in mid-pick.
-_CHECKPOINT_BYTES = 2048
+# for the 6-12 probes after a 2048-token prompt's first long one, the states kept and the bytes
+# hashed balance near here. Every update stays below 2048 bytes (for blocks under 512 tokens),
+# from which hashlib releases the GIL around an update (and then around every later update of
+# that object), letting another thread in mid-pick.
+_CHECKPOINT_BYTES = 1024
 _ID_BYTES = 4  # per token id, packed
 if array.array("I").itemsize != _ID_BYTES:
     raise ImportError("tandem's block hash needs a 4-byte C unsigned int (array typecode 'I')")
