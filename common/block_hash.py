@@ -74,11 +74,11 @@ class PromptBlockHashes:
     """The hashes of a prompt's leading full blocks (at most `max_blocks`), each computed when
     asked for: hash_of(count) is the hash of the count-th block.
 
-    A probe past the first block packs all the blocks' tokens, once. The running SHA-256 states at every
-    multiple of `stride` blocks (_CHECKPOINT_BYTES of tokens) are kept as far as any probe
-    reached, so a probe copies the kept state at or before its block and hashes at most
-    `stride` blocks more. The prompt's later picks (the decode tier after the prefill tier)
-    reuse the probed hashes and the states.
+    The blocks' ids are packed once (a first-block probe packs that block's alone). The running
+    SHA-256 states at every multiple of `stride` blocks (under _CHECKPOINT_BYTES of packed ids)
+    are kept as far as any probe reached, so a probe copies the kept state at or before its
+    block and hashes fewer than `stride` blocks more. The prompt's later picks (the decode tier
+    after the prefill tier) reuse the probed hashes and the states.
     """
 
     def __init__(self, token_ids: Sequence[int], block_size: int,

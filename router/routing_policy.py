@@ -150,7 +150,7 @@ class RoutingPolicy:
         self._last_picked[worker.address] = next(self._picks)
         if self.metrics is not None:
             counter = self._reason_counters.get((reason, worker.role))
-            if counter is None:  # labels() costs more than the rest of a least-loaded pick
+            if counter is None:  # labels() validates and looks up its labels on every call
                 counter = self._reason_counters[reason, worker.role] = \
                     self.metrics.routing_reasons.labels(reason=reason, role=worker.role)
             counter.inc()
