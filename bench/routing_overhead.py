@@ -21,8 +21,8 @@ cache-aware pick bounds it from above). For reference it also times hashing ever
 the prompt one by one. Prints p50 and p99 in microseconds of the thread's CPU time
 (time.thread_time_ns, which other processes on a shared machine do not inflate, though the
 kernel's timer interrupts on this thread's core count) and of wall time (perf_counter_ns).
-The router's whole per-request time to compare with comes from `python -m tandem.bench.router`
-(router CPU per request with `--output-len 1`).
+The router's whole per-request time to compare with comes from `python -m tandem.bench.router
+--output-len 1`: with one token per request, its tokens per router CPU-second are requests.
 """
 from __future__ import annotations
 
