@@ -12,7 +12,7 @@ few of its blocks once for all workers (matched_blocks).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import grpc
 
@@ -39,6 +39,9 @@ class KVIndex:
         self._holders: dict[int, int] = {}  # hash -> bits of the workers holding it
         self._bits: dict[str, int] = {}  # address -> its bit, while it holds a set
         self.block_sizes: dict[str, int] = {}  # address -> tokens per block
+        # address -> (its bit, its block size): what matching a prompt needs of each worker,
+        # in one lookup.
+        self.followed: dict[str, tuple[int, int]] = {}
 
     def apply(self, address: str, message: worker_pb2.SubscribeKVEventsResponse) -> None:
         """Applies one message of a worker's KV event stream."""
@@ -47,6 +50,7 @@ class KVIndex:
         self.block_sizes[address] = message.block_size
         held = self._held.setdefault(address, {})
         bit = self._bit(address)
+        self.followed[address] = (bit, message.block_size)
         holders = self._holders
         for block_hash in message.evicted_hashes:
             if block_hash in held:
@@ -72,6 +76,7 @@ class KVIndex:
             else:
                 del holders[block_hash]
         self.block_sizes.pop(address, None)
+        self.followed.pop(address, None)
 
     def num_blocks(self, address: str) -> int:
         return len(self._held.get(address, ()))
@@ -91,9 +96,18 @@ class KVIndex:
             bit = self._bits[address] = ~taken & (taken + 1)
         return bit
 
-    def matched_blocks(self, prompt: PromptBlockHashes, addresses: Iterable[str]
+    def matched_blocks(self, prompt: PromptBlockHashes, addresses: Sequence[str]
                        ) -> dict[str, int]:
-        """For each address: how many leading blocks of the prompt it holds.
+        """For each address: how many leading blocks of the prompt it holds."""
+        alive = 0
+        for address in addresses:
+            alive |= self._bits.get(address, 0)
+        counts = self.matched_by_bit(prompt, alive)
+        return {address: counts.get(self._bits.get(address, 0), 0) for address in addresses}
+
+    def matched_by_bit(self, prompt: PromptBlockHashes, alive: int) -> dict[int, int]:
+        """For each worker bit in `alive` that holds the prompt's first block: how many leading
+        blocks of the prompt it holds (bits holding none are left out).
 
         A worker's cache holds a prefix's blocks before its later ones: it frees a sequence's
         tail blocks first, and a block in use keeps every block before it in use. So the
@@ -104,20 +118,18 @@ class KVIndex:
         lands on goes unseen, and the count runs past it (the worker then serves less than
         predicted).
         """
-        matched = dict.fromkeys(addresses, 0)
-        alive = 0
-        for address in matched:
-            alive |= self._bits.get(address, 0)
         num_blocks = len(prompt)
         if not alive or num_blocks == 0:
-            return matched
+            return {}
         holders = self._holders
-        at_first = holders.get(prompt.hash_of(1), 0) & alive
+        hash_of = prompt.hash_of
+        at_first = holders.get(hash_of(1), 0) & alive
         if not at_first:
-            return matched
-        at_last = holders.get(prompt.hash_of(num_blocks), 0) & at_first
+            return {}
+        at_last = holders.get(hash_of(num_blocks), 0) & at_first
         counts: dict[int, int] = {}  # bit -> blocks
-        _count(counts, at_last, num_blocks)
+        if at_last:
+            _count(counts, at_last, num_blocks)
         # Ranges (lo, holders of block lo, hi, holders of block hi; sets as bits): the workers
         # of the first set outside the second hold lo blocks and fewer than hi. A worker with a
         # hole in its prefix may be counted in two ranges: the lower count is what it serves.
@@ -130,21 +142,18 @@ class KVIndex:
                 _count(counts, at_lo & ~at_hi, lo)
                 continue
             mid = (lo + hi) // 2
-            at_mid = holders.get(prompt.hash_of(mid), 0) & at_lo
+            at_mid = holders.get(hash_of(mid), 0) & at_lo
             ranges.append((mid, at_mid, hi, at_hi & at_mid))
             ranges.append((lo, at_lo, mid, at_mid))
-        for address in matched:
-            bit = self._bits.get(address)
-            if bit in counts:
-                matched[address] = counts[bit]
-        return matched
+        return counts
 
 
 def _count(counts: dict[int, int], bits: int, num_blocks: int) -> None:
     """Records num_blocks for each worker bit in `bits`, unless one is lower already."""
     while bits:
         bit = bits & -bits
-        counts[bit] = min(counts.get(bit, num_blocks), num_blocks)
+        if counts.get(bit, num_blocks) >= num_blocks:
+            counts[bit] = num_blocks
         bits ^= bit
 
 

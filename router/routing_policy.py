@@ -68,6 +68,7 @@ class RoutingPolicy:
         self._turn = itertools.count()  # round-robin
         self._picks = itertools.count()
         self._last_picked: dict[str, int] = {}  # address -> the number of its latest pick
+        self._reason_counters: dict[tuple[str, str], object] = {}  # (reason, role) -> counter
 
     def attach(self, pool) -> None:
         """Routes the pool's picks; cache-aware follows every worker's KV events. Call before
@@ -87,45 +88,44 @@ class RoutingPolicy:
         if self.policy == "round-robin":
             return self._decided(candidates[next(self._turn) % len(candidates)], "round_robin",
                                  0, note)
-        loads = [_load(worker) for worker in candidates]
         if self.policy == "least-loaded" or not prompt_token_ids:
-            return self._decided(self._lowest(candidates, loads), "least_loaded", 0, note)
+            return self._decided(candidates[self._lowest(candidates, _costs(candidates))],
+                                 "least_loaded", 0, note)
         cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
-        costs = [load - self.cache_weight * tokens / len(prompt_token_ids)
-                 for load, tokens in zip(loads, cached)]
-        chosen = self._lowest(candidates, costs)
-        chosen_tokens = cached[candidates.index(chosen)]
         most = max(cached)
-        if most == 0:
-            reason = "least_loaded"  # nobody holds the prefix
-        elif chosen_tokens == most:
-            reason = "cache_hit"
-        else:
-            reason = "load_override"  # a worker holding more of it was too busy
-        return self._decided(chosen, reason, chosen_tokens, note)
+        if most == 0:  # nobody holds the prefix
+            return self._decided(candidates[self._lowest(candidates, _costs(candidates))],
+                                 "least_loaded", 0, note)
+        costs = _costs(candidates, cached, self.cache_weight / len(prompt_token_ids))
+        position = self._lowest(candidates, costs)
+        # load_override: a worker holding more of the prompt was too busy.
+        reason = "cache_hit" if cached[position] == most else "load_override"
+        return self._decided(candidates[position], reason, cached[position], note)
 
     def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
                                 note: RoutingNote | None = None) -> list[int]:
         """Per candidate: prompt tokens its prefix cache would serve (as the worker looks up:
         full blocks only, leaving at least one token to compute)."""
-        cached = [0] * len(candidates)
-        by_block_size: dict[int, list[int]] = {}
-        for position, worker in enumerate(candidates):
-            block_size = self.index.block_sizes.get(worker.address)
-            if block_size:
-                by_block_size.setdefault(block_size, []).append(position)
-        for block_size, positions in by_block_size.items():
+        followed = self.index.followed
+        keys = [followed.get(worker.address) for worker in candidates]  # (bit, block size)
+        alive_by_block_size: dict[int, int] = {}
+        for key in keys:
+            if key is not None:
+                bit, block_size = key
+                alive_by_block_size[block_size] = alive_by_block_size.get(block_size, 0) | bit
+        tokens_by_bit: dict[int, int] = {}
+        for block_size, alive in alive_by_block_size.items():
             hashes = note.prompt_hashes.get(block_size) if note is not None else None
             if hashes is None:
                 hashes = PromptBlockHashes(prompt_token_ids, block_size,
                                            max_blocks=(len(prompt_token_ids) - 1) // block_size)
                 if note is not None:
                     note.prompt_hashes[block_size] = hashes
-            matched = self.index.matched_blocks(
-                hashes, [candidates[p].address for p in positions])
-            for position in positions:
-                cached[position] = matched[candidates[position].address] * block_size
-        return cached
+            for bit, blocks in self.index.matched_by_bit(hashes, alive).items():
+                tokens_by_bit[bit] = blocks * block_size
+        if not tokens_by_bit:
+            return [0] * len(candidates)
+        return [0 if key is None else tokens_by_bit.get(key[0], 0) for key in keys]
 
     def record_outcome(self, note: RoutingNote, actual_cached_tokens: int) -> None:
         """The prompt worker's reported cached tokens next to the prediction (metrics)."""
@@ -133,31 +133,56 @@ class RoutingPolicy:
             self.metrics.routing_predicted_cached_tokens.inc(note.predicted_cached_tokens)
             self.metrics.routing_actual_cached_tokens.inc(actual_cached_tokens)
 
-    def _lowest(self, candidates: list, costs: list[float]):
-        """The lowest-cost candidate; among equal costs, the one picked longest ago."""
+    def _lowest(self, candidates: list, costs: list[float]) -> int:
+        """The position of the lowest-cost candidate; among equal costs, the one picked longest
+        ago."""
         best = min(costs)
-        tied = [worker for worker, cost in zip(candidates, costs) if cost == best]
-        return min(tied, key=lambda worker: self._last_picked.get(worker.address, -1))
+        last_picked = self._last_picked
+        chosen, chosen_pick = 0, None
+        for position, cost in enumerate(costs):
+            if cost == best:
+                picked = last_picked.get(candidates[position].address, -1)
+                if chosen_pick is None or picked < chosen_pick:
+                    chosen, chosen_pick = position, picked
+        return chosen
 
     def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None):
         self._last_picked[worker.address] = next(self._picks)
         if self.metrics is not None:
-            self.metrics.routing_reasons.labels(reason=reason, role=worker.role).inc()
+            counter = self._reason_counters.get((reason, worker.role))
+            if counter is None:  # labels() validates and looks up its labels on every call
+                counter = self._reason_counters[reason, worker.role] = \
+                    self.metrics.routing_reasons.labels(reason=reason, role=worker.role)
+            counter.inc()
         if note is not None and worker.role in _PROMPT_TIERS:
             note.predicted_cached_tokens = predicted_tokens
             note.reason = reason
         return worker
 
 
-def _load(worker) -> float:
-    """This router's requests on the worker (its live count), others' requests there (the last
-    GetLoad's running and waiting beyond this router's own at the time), plus the KV pressure:
-    KV usage above half counts up to one more request at full. Usage below half (a stale
-    reading, often) counts nothing, so idle workers tie and take turns."""
-    reported = worker.load.num_running + worker.load.num_waiting
-    others = max(0, reported - worker.in_flight_at_load)
-    kv_pressure = max(0.0, worker.load.kv_usage - 0.5) * 2
-    return worker.num_in_flight + others + kv_pressure
+def _costs(candidates: list, cached_tokens: Sequence[int] = (), weight: float = 0.0
+           ) -> list[float]:
+    """Per candidate: its load minus `weight` times its cached prompt tokens (none given: its
+    load alone), in one loop rather than a call per worker.
+
+    A worker's load: this router's requests on it (its live count), others' requests there
+    (the last GetLoad's running and waiting beyond this router's own at the time), plus the KV
+    pressure: KV usage above half counts up to one more request at full. Usage below half (a
+    stale reading, often) counts nothing, so idle workers tie and take turns."""
+    costs = []
+    for position, worker in enumerate(candidates):
+        load = worker.load
+        cost = worker.num_in_flight
+        others = load.num_running + load.num_waiting - worker.in_flight_at_load
+        if others > 0:
+            cost += others
+        kv_usage = load.kv_usage
+        if kv_usage > 0.5:
+            cost += (kv_usage - 0.5) * 2
+        if cached_tokens:
+            cost -= weight * cached_tokens[position]
+        costs.append(cost)
+    return costs
 
 
 def add_routing_flags(parser) -> None:

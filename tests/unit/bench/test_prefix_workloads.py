@@ -132,5 +132,6 @@ def test_routing_overhead_microbenchmark_runs(capsys):
                  "4", "--requests", "5"]) == 0
     out = capsys.readouterr().out
     assert "3 workers, " in out and "p99" in out
-    for row in ("pick, new tail", "pick, next turn", "pick, held, unseen", "hash all blocks"):
+    for row in ("pick, new tail", "pick, next turn", "pick, held whole", "least-loaded pick",
+                "hash all blocks"):
         assert row in out

@@ -2,6 +2,10 @@
 and the block manager tells its listener about every key it gains or loses."""
 from __future__ import annotations
 
+import hashlib
+import random
+import struct
+
 import pytest
 
 from tandem.common.block_hash import BlockHasher, PromptBlockHashes, prefix_block_hashes
@@ -101,6 +105,32 @@ def test_prompt_hashes_are_probed_in_any_order_and_kept():
     for count in (0, 91):
         with pytest.raises(IndexError):
             hashes.hash_of(count)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 100, 512])
+def test_prompt_hashes_cross_the_kept_states_in_any_order(block_size):
+    # Long enough that probes start from states kept past the first (every ~2 KiB of ids).
+    rng = random.Random(block_size)
+    token_ids = [rng.randrange(150_000) for _ in range(max(3000, 12 * block_size) + 5)]
+    expected = prefix_block_hashes(token_ids, block_size)
+    for _ in range(3):
+        hashes = PromptBlockHashes(token_ids, block_size)
+        counts = list(range(1, len(expected) + 1))
+        rng.shuffle(counts)
+        assert [hashes.hash_of(count) for count in counts] == [
+            expected[count - 1] for count in counts]
+    hashes = PromptBlockHashes(token_ids, block_size, max_blocks=len(expected) - 3)
+    assert hashes.hash_of(1) == expected[0]  # packs the first block's ids only, then all
+    assert hashes.hash_of(len(expected) - 3) == expected[-4]
+
+
+def test_a_token_id_hashes_as_its_four_little_endian_bytes():
+    token_ids = [0, 1, 50_000, 2**31 - 1, -1, -(2**31)]  # ids below zero take another path
+    expected = hashlib.sha256(struct.pack("<6i", *token_ids)).digest()[:8]
+    assert BlockHasher().next_block(token_ids) == int.from_bytes(expected, "little")
+    hashes = PromptBlockHashes(token_ids + [7], 2)
+    assert [hashes.hash_of(count) for count in (3, 1, 2)] == [
+        prefix_block_hashes(token_ids, 2)[count - 1] for count in (3, 1, 2)]
 
 
 def test_a_growing_sequence_hashes_its_new_blocks_as_the_router_does():

@@ -34,7 +34,7 @@ def test_block_hash_covers_every_token_so_far_and_is_pinned():
     hasher = BlockHasher()
     h0 = hasher.next_block([1, 2, 3, 4])
     # Pinned: the value must not depend on the process (PYTHONHASHSEED) or the Python version.
-    assert h0 == BlockHasher().next_block((1, 2, 3, 4)) == 0x6DC848B0E200E273
+    assert h0 == BlockHasher().next_block((1, 2, 3, 4)) == 0x5BE059DBEEAD97CF
     assert 0 <= h0 < 2**64
     h1 = hasher.next_block([5, 6, 7, 8])
     assert h1 != BlockHasher().next_block([5, 6, 7, 8])  # the block before counts

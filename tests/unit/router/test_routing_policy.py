@@ -5,8 +5,10 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tandem.common.block_hash import PromptBlockHashes, prefix_block_hashes
+from tandem.common.metrics import RouterMetrics
 from tandem.router.kv_index import KVIndex
 from tandem.router.routing_policy import RoutingNote, RoutingPolicy
 from tandem.v1 import worker_pb2
@@ -218,6 +220,30 @@ def test_least_loaded_ignores_the_cache():
     holder, other = Worker("holder", num_in_flight=1), Worker("other")
     hold(policy, holder, PROMPT)
     assert policy.pick([holder, other], PROMPT) is other
+
+
+def test_decisions_are_counted_by_reason_and_role():
+    metrics = RouterMetrics("m", CollectorRegistry())
+    policy = RoutingPolicy("cache-aware", metrics=metrics)
+    prefill, decode = Worker("p", role="prefill"), Worker("d", role="decode")
+    busy = Worker("busy", role="prefill", num_in_flight=20)
+    hold(policy, busy, PROMPT)
+    for _ in range(2):
+        assert policy.pick([prefill, busy], PROMPT) is prefill  # busy holds it, too busy
+        assert policy.pick([decode], PROMPT) is decode  # nobody holds it there
+    busy.num_in_flight = 0
+    assert policy.pick([prefill, busy], PROMPT) is busy
+    assert policy.pick([prefill]) is prefill  # no prompt: least loaded
+    RoutingPolicy("round-robin", metrics=metrics).pick([decode])
+
+    def count(reason, role):
+        return metrics.registry.get_sample_value(
+            "tandem:routing_reasons_total", {"model": "m", "tier": "router", "reason": reason,
+                                             "role": role}) or 0
+
+    assert count("load_override", "prefill") == 2 and count("least_loaded", "decode") == 2
+    assert count("cache_hit", "prefill") == 1 and count("round_robin", "decode") == 1
+    assert count("least_loaded", "prefill") == 1 and count("cache_hit", "decode") == 0
 
 
 def test_bad_settings_are_refused():
