@@ -63,9 +63,9 @@ def decode_table(args, copy_bps: float) -> list[str]:
             return moe_decode.decode_moe(hidden, *weights[j % len(weights)],
                                          router_logits=logits, top_k=k, config=config)
         aiter_s = time_graphed(aiter)
-        decode_s = time_graphed(decode) if moe_decode.fits(batch, k, e) else float("nan")
+        decode_s = time_graphed(decode) if moe_decode.fits(batch, k) else float("nan")
         best = (float("inf"), None)
-        if moe_decode.fits(batch, k, e):
+        if moe_decode.fits(batch, k):
             for config in configs:
                 best = min(best, (time_graphed(lambda j: decode(j, config)), str(config)),
                            key=lambda r: r[0])

@@ -38,8 +38,9 @@ from tandem.workers.parallel.context import current_parallel
 from tandem.workers.parallel.expert_dispatch import make_dispatcher
 from tandem.workers.parallel.all_reduce import tp_all_reduce
 
-# At most this many (token, slot) pairs take the decode kernels (moe_decode.py) on
-# aiter-triton; larger batches take AITER's grouped fused_moe.
+# At most this many (token, slot) pairs take the decode kernels (moe_decode.py, whose MAX_PAIRS
+# bounds it) on aiter-triton; larger batches take AITER's grouped fused_moe. Up to 128 tokens
+# x top-8 the decode kernels measure faster (bench/probes/moe_layer.py).
 DECODE_MAX_PAIRS = 1024
 
 # Checkpoint shard ids: which projection of one expert a tensor holds.

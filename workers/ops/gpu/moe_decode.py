@@ -171,7 +171,7 @@ def default_config(num_pairs: int) -> dict[str, int]:
             "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages}
 
 
-def fits(num_tokens: int, top_k: int, num_experts: int) -> bool:
+def fits(num_tokens: int, top_k: int) -> bool:
     """Whether this path takes the batch: at most MAX_PAIRS (token, slot) pairs."""
     return 0 < num_tokens * top_k <= MAX_PAIRS
 
@@ -214,7 +214,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                          "topk_ids")
     else:
         top_k = topk_ids.shape[1]
-    if not fits(num_tokens, top_k, num_experts):
+    if not fits(num_tokens, top_k):
         raise ValueError(f"decode_moe takes at most {MAX_PAIRS} (token, expert) pairs, got "
                          f"{num_tokens} x {top_k}")
     if not (hidden.dtype == w13.dtype == w2.dtype):
