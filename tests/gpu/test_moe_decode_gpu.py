@@ -137,7 +137,8 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_unnormed"])
 def test_moe_engine_fp32_greedy_equals_transformers_with_graphs(moe_checkpoint, name):
     """Batches of up to 8 sequences take the decode kernels for routing and experts (fp32
-    dots, no tf32): greedy tokens equal fp32 transformers'."""
+    dots, no tf32), and batch 1 the fused attention GEMVs: greedy tokens equal fp32
+    transformers'."""
     from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
     from tandem import LLM, SamplingParams
@@ -151,3 +152,5 @@ def test_moe_engine_fp32_greedy_equals_transformers_with_graphs(moe_checkpoint, 
     assert llm.engine.runner.graphs is not None
     for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
         assert out.token_ids == ckpt.greedy(prompt, 24)
+    for prompt in prompts[:2]:  # batch 1: the attention half runs as fused GEMVs too
+        assert llm.generate([prompt], greedy)[0].token_ids == ckpt.greedy(prompt, 24)

@@ -94,18 +94,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
 
     @functools.cached_property
-    def _fusable(self) -> bool:
-        """Whether small batches can run as fused GEMVs (workers/ops/small_batch.py)."""
-        attn, mlp = self.self_attn, self.mlp
-        return (type(mlp) is LlamaMLP and isinstance(attn, LlamaAttention)
-                and small_batch.fusable((self.input_layernorm, self.post_attention_layernorm),
-                                        (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                         mlp.down_proj)))
+    def _attention_fusable(self) -> bool:
+        """Whether small batches can run the attention half (input norm, qkv, o) as fused
+        GEMVs (workers/ops/small_batch.py); the MLP half follows `_mlp_fusable`."""
+        attn = self.self_attn
+        return (isinstance(attn, LlamaAttention)
+                and small_batch.fusable((self.input_layernorm,), (attn.qkv_proj, attn.o_proj)))
+
+    @functools.cached_property
+    def _mlp_fusable(self) -> bool:
+        """Whether the MLP half (post-attention norm, gate_up + SiLU*mul, down) fuses too: a
+        dense Llama MLP. Other MLPs (experts) run after the post-attention norm as usual."""
+        mlp = self.mlp
+        return type(mlp) is LlamaMLP and small_batch.fusable(
+            (self.post_attention_layernorm,), (mlp.gate_up_proj, mlp.down_proj))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if hidden.shape[0] <= small_batch.MAX_ROWS and self._fusable:
+        if hidden.shape[0] <= small_batch.MAX_ROWS and self._attention_fusable:
             return self._forward_small_batch(positions, hidden, residual, meta)
         # The residual stream is carried separately so each norm can fuse the add before it.
         if residual is None:
@@ -119,11 +126,16 @@ class LlamaDecoderLayer(nn.Module):
     def _forward_small_batch(self, positions: torch.Tensor, hidden: torch.Tensor,
                              residual: torch.Tensor | None, meta: AttentionMetadata
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same function as forward, in five launches plus attention's (small_batch)."""
+        """The same function as forward: five launches plus attention's (small_batch) for a
+        dense layer; for another MLP (experts), the attention half fused and the MLP as
+        forward runs it."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = small_batch.norm_linear(hidden, residual, self.input_layernorm,
                                                 attn.qkv_proj)
         hidden = small_batch.linear(attn.attend(positions, qkv, meta), attn.o_proj)
+        if not self._mlp_fusable:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return mlp(hidden), residual
         act, residual = small_batch.norm_linear(hidden, residual, self.post_attention_layernorm,
                                                 mlp.gate_up_proj, silu_mul=True)
         return small_batch.linear(act, mlp.down_proj), residual
