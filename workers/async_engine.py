@@ -5,6 +5,9 @@ The event loop never runs model code. asyncio code talks to the engine thread tw
     each runs on the engine thread between two steps, in the order queued. Commands are the
     only way engine state is touched. `call(fn)`, which runs any fn(engine) there, is
     internal: the typed commands and kv/rank_transfers.py use it.
+  * `load`: the engine's load (EngineLoad), published by the engine thread after every command,
+    lease expiry, reservation and step, before any of their results reach the event loop: a
+    caller that has seen a result reads a load that includes it, without a command.
   * `open_stream(request_id)`: an asyncio.Queue that receives a TokenEvent for each token of
     that request, in order; the last one has finish_reason set (or is_pinned on a prefill).
     A request prefilled elsewhere (LLMEngine.queue_prefilled) first receives BlocksReserved
@@ -62,6 +65,26 @@ class EngineFailure:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What GetLoad reports, as of the engine thread's latest published turn."""
+
+    num_running: int
+    num_waiting: int  # queued for scheduling, grammar compiles included
+    kv_usage: float  # fraction of KV blocks held by live sequences
+    num_free_blocks: int
+    num_pinned: int  # prefilled prompts whose KV waits for a decode worker
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineLoad:
+        """Read on the engine thread (between two steps, or in a command)."""
+        scheduler, manager = engine.scheduler, engine.block_manager
+        return cls(num_running=len(scheduler.running),
+                   num_waiting=len(scheduler.waiting) + len(engine.awaiting_grammar),
+                   kv_usage=manager.usage, num_free_blocks=manager.num_free_blocks,
+                   num_pinned=len(engine.pinned))
+
+
 class PrefixCacheListener(Protocol):
     """Told, on the engine thread, of every change to the prefix cache's keys (the block
     manager's cache listener); numbers the changes it has been told of."""
@@ -103,6 +126,8 @@ class AsyncEngine:
         # of commands, or an idle wait); a plain float, written by that thread only.
         self._last_beat = time.monotonic()
         self._is_idle = False  # the engine thread is waiting for a command: no work to stall
+        # Replaced (never mutated) by the engine thread; read anywhere.
+        self._load = EngineLoad.of(engine)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -214,6 +239,17 @@ class AsyncEngine:
         return await self.call(snapshot)
 
     @property
+    def load(self) -> EngineLoad:
+        """The latest published load: it includes every command whose result, and every
+        token or BlocksReserved event that, the event loop has received."""
+        return self._load
+
+    def holds_request(self, request_id: str) -> bool:
+        """Whether the engine holds the request now (queued, running, pinned or receiving
+        KV). One dict lookup from any thread: no command, no wait for a step."""
+        return request_id in self.engine.requests
+
+    @property
     def kv_lease_seconds(self) -> float:
         """How long a pinned prompt's KV stays pinned after each renewal (configuration)."""
         return self.engine.config.kv_lease_seconds
@@ -277,6 +313,7 @@ class AsyncEngine:
                 logger.warning("freed %d pinned KV handle(s) nobody pulled: %s", len(expired),
                                ", ".join(expired))
             reserved = engine.reserve_remote()  # blocks freed since the last turn
+            self._publish_load()
             if reserved:
                 self._loop.call_soon_threadsafe(
                     self._dispatch, [(seq.request_id, BlocksReserved()) for seq in reserved])
@@ -289,10 +326,14 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting all requests")
                 self._fail_all(f"engine step failed: {exc}")
                 continue
+            self._publish_load()
             if updated:
                 events = [(seq.request_id, _event(seq, engine.pinned)) for seq in updated]
                 self._loop.call_soon_threadsafe(self._dispatch, events)
             self._notify(updated)
+
+    def _publish_load(self) -> None:
+        self._load = EngineLoad.of(self.engine)
 
     def _notify(self, updated: list[Sequence] | None) -> None:
         if self._on_step is None:
@@ -319,9 +360,13 @@ class AsyncEngine:
             fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as exc:  # delivered to the awaiting coroutine
+                    self._publish_load()
                     future.set_exception(exc)
+                else:
+                    self._publish_load()
+                    future.set_result(result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -337,6 +382,7 @@ class AsyncEngine:
     def _fail_all(self, message: str) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort(request_id)
+        self._publish_load()
         self._loop.call_soon_threadsafe(self._broadcast, EngineFailure(message))
 
     # -- event loop ------------------------------------------------------------------------

@@ -170,16 +170,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
-        engine = self.engine.engine  # plain reads of counters; no need to wait for a step
-        manager = engine.block_manager
+        load = self.engine.load  # published by the engine thread; no need to wait for a step
         return worker_pb2.GetLoadResponse(
-            role=self.role, num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting) + len(engine.awaiting_grammar),
-            kv_usage=manager.usage,
-            num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
-            model=self.model_name, instance_id=self.instance_id,
+            role=self.role, num_running=load.num_running, num_waiting=load.num_waiting,
+            kv_usage=load.kv_usage, num_free_blocks=load.num_free_blocks,
+            num_pinned=load.num_pinned, model=self.model_name, instance_id=self.instance_id,
             held_request_ids=[request_id for request_id in request.request_ids
-                              if request_id in self._tasks or request_id in engine.requests])
+                              if request_id in self._tasks
+                              or self.engine.holds_request(request_id)])
 
     async def SubscribeKVEvents(self, request, context):
         async for message in self.kv_events.subscribe(context):

@@ -9,7 +9,9 @@ functions too.
 The same walk keeps the engine's command seam typed: outside workers/async_engine.py (where the
 typed commands live) and workers/kv/ (whose rank transfers post their own engine-thread
 callables), no module hands the async engine a function to run (`engine.call(fn)`,
-`call_shielded(fn)`, `submit(fn)`); it calls one of AsyncEngine's typed methods instead."""
+`call_shielded(fn)`, `submit(fn)`); it calls one of AsyncEngine's typed methods instead. The
+gRPC services do not reach past the async engine to the LLMEngine (`engine.engine`): they read
+its published load."""
 from __future__ import annotations
 
 import ast
@@ -32,6 +34,9 @@ FORBIDDEN = {
 # Where handing the async engine a callable is its protocol, not a reach-through.
 RAW_ENGINE_CALLERS = ("workers/async_engine.py", "workers/kv")
 RAW_ENGINE_COMMANDS = ("call", "call_shielded", "submit")
+# The gRPC services: they hold an AsyncEngine and nothing below it.
+SERVICE_MODULES = ("workers/servicer.py", "workers/kv_events.py",
+                   "workers/kv_transfer_service.py")
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -84,6 +89,16 @@ def engine_reach_throughs(folder: str = "workers") -> list[str]:
                   for line, text in raw_engine_calls(path))
 
 
+def engine_internals_read(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of every `<engine>.engine` in a source file: the LLMEngine behind an
+    AsyncEngine."""
+    source = path.read_text()
+    return sorted((node.lineno, ast.get_source_segment(source, node))
+                  for node in ast.walk(ast.parse(source, str(path)))
+                  if isinstance(node, ast.Attribute) and node.attr == "engine"
+                  and _names_an_engine(node.value))
+
+
 def test_kv_imports_nothing_above_it():
     assert upward_imports("workers/kv", FORBIDDEN["workers/kv"]) == []
 
@@ -118,3 +133,8 @@ def test_the_walk_sees_engine_commands_given_a_function(tmp_path):
                       "    engine.submit(command)\n"
                       "    await self.pool.call(command)\n")
     assert [line for line, _ in raw_engine_calls(source)] == [2, 3]
+
+
+def test_the_services_read_no_engine_internals():
+    assert [f"{module}:{line} {text}" for module in SERVICE_MODULES
+            for line, text in engine_internals_read(REPO_ROOT / module)] == []
