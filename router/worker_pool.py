@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.security import TLSFiles, open_channel
+from tandem.router.decode_streams import DecodeStream
 from tandem.router.discovery import Target
 from tandem.router.ejection import HealthPolicy, OutlierState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -43,6 +44,7 @@ class WorkerEndpoint:
     load: worker_pb2.GetLoadResponse = field(default_factory=worker_pb2.GetLoadResponse)
     last_error: str = "not checked yet"
     is_removed: bool = False  # its address left its target: never picked again
+    decode_stream: DecodeStream = field(default_factory=DecodeStream)  # carries every Decode
 
     @property
     def is_healthy(self) -> bool:
