@@ -76,7 +76,8 @@ class DecodeStreamSession:
                 if self._pending:
                     updates, self._pending = self._pending, []
                     yield worker_pb2.DecodeStreamResponse(updates=updates)
-                if not self._tasks and (self._has_ended_requests or self._is_closing()):
+                if not self._tasks and not self._pending and (
+                        self._has_ended_requests or self._is_closing()):
                     return
         finally:
             reader.cancel()
