@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                         "microbenchmark's paced phase)")
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per level")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
-    p.add_argument("--uvloop", action="store_true", help="run the server on uvloop (pip install uvloop; not a tandem dependency)")
+    p.add_argument("--uvloop", action="store_true",
+                   help="run the server on uvloop (pip install uvloop; not a tandem dependency)")
     args = p.parse_args(argv)
     print("| streams | messages/s | server CPU us/message | messages per server CPU-second |")
     print("|---:|---:|---:|---:|")

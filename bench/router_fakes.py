@@ -6,9 +6,9 @@ Prefill, Abort) as an aggregated ("both") worker would. A step loop stands in fo
 every `step_seconds` (0: as fast as the event loop turns) it appends the next token to every
 open request, up to the request's max_tokens. Each DecodeStream sends, as the real servicer
 does, every request's tokens made since its previous message in one message, so one step's
-tokens leave together and a stream that falls behind the steps coalesces. Token ids walk a text encoded with the served model's tokenizer
-(a different starting point per request), so the router's detokenizer and stop-string scan do
-the work they do on real output.
+tokens leave together and a stream that falls behind the steps coalesces. Token ids walk a
+text encoded with the served model's tokenizer (a different starting point per request), so
+the router's detokenizer and stop-string scan do the work they do on real output.
 
 For the latency figure every message's send time (time.monotonic(), the clock every process
 on the host shares) is recorded per request, under the id the client chose: the router names
