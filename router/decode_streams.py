@@ -1,7 +1,7 @@
 """The router side of Worker/DecodeStream: one gRPC stream per worker carries the decoding of
 every request this router has on it.
 
-`decode_stream(worker).start(request, timeout)` sends a request and returns its
+`worker.decode_stream.start(worker.stub, request, timeout)` sends a request and returns its
 `DecodeReceiver`; the stream's reader hands each update to its request's receiver. A
 receiver reads like a Decode call: `read()` returns every update that arrived since the
 previous read (several when the reader was behind: they become one client chunk), then
