@@ -19,7 +19,6 @@ import multiprocessing
 import resource
 import socket
 import sys
-import time
 
 import grpc
 

@@ -10,9 +10,9 @@ tokens leave together and a stream that falls behind the steps coalesces. Token 
 text encoded with the served model's tokenizer (a different starting point per request), so
 the router's detokenizer and stop-string scan do the work they do on real output.
 
-For the latency figure every message's send time (time.monotonic(), the clock every process
-on the host shares) is recorded per request, under the id the client chose: the router names
-a worker-side request `<client id>.<uuid>`.
+For the latency figures every message's send time and every token's step time
+(time.monotonic(), the clock every process on the host shares) are recorded per request,
+under the id the client chose: the router names a worker-side request `<client id>.<uuid>`.
 """
 from __future__ import annotations
 
@@ -55,18 +55,26 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
         self._streams: dict[str, _Stream] = {}
         # client request id -> [(send time, tokens in the message)], filled by DecodeStream.
         self.sends: dict[str, list[tuple[float, int]]] = {}
+        # client request id -> [(time of the step that made it, 1)] per token.
+        self.steps: dict[str, list[tuple[float, int]]] = {}
 
     def take_sends(self) -> dict[str, list[tuple[float, int]]]:
         """Every send recorded so far; starts a new record."""
         sends, self.sends = self.sends, {}
         return sends
 
+    def take_steps(self) -> dict[str, list[tuple[float, int]]]:
+        """Every token's step time recorded so far; starts a new record."""
+        steps, self.steps = self.steps, {}
+        return steps
+
     async def run_steps(self) -> None:
         """The stand-in engine: one token for every open stream per step."""
         while True:
             await asyncio.sleep(self.step_seconds)
+            step_time = time.monotonic()
             for stream in self._streams.values():
-                stream.step(self.token_ids)
+                stream.step(self.token_ids, step_time)
 
     async def Check(self, request, context):  # noqa: N802 (gRPC's naming)
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
@@ -110,6 +118,7 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
                              request.params.HasField("logprobs"), session)
             self._streams[request_id] = session.streams[request_id] = stream
             self.sends[request_id.rsplit(".", 1)[0]] = stream.sends
+            self.steps[request_id.rsplit(".", 1)[0]] = stream.steps
 
     def _take_update(self, stream: _Stream) -> worker_pb2.DecodeUpdate | None:
         """The stream's tokens made since its previous update (None: none)."""
@@ -159,10 +168,12 @@ class _Stream:
         self.num_made = 0
         self.num_sent = 0
         self.sends: list[tuple[float, int]] = []  # (send time, tokens in the message)
+        self.steps: list[tuple[float, int]] = []  # (step time, 1) per token made
 
-    def step(self, token_ids: list[int]) -> None:
+    def step(self, token_ids: list[int], step_time: float) -> None:
         if self.num_made >= self.max_tokens:
             return
+        self.steps.append((step_time, 1))
         self.pending.append(token_ids[self.position % len(token_ids)])
         self.position += 1
         self.num_made += 1
@@ -172,8 +183,8 @@ class _Stream:
 def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, model: str,
                       commands) -> None:
     """Process entry point: serve on 127.0.0.1:`port` until told to stop. `commands` is a
-    multiprocessing connection: "sends" answers take_sends(), a float sets step_seconds,
-    "stop" ends the process."""
+    multiprocessing connection: "sends" answers take_sends(), "steps" take_steps(), a float
+    sets step_seconds, "stop" ends the process."""
     worker = FakeWorker(token_ids, step_seconds, model)
 
     async def main() -> None:
@@ -191,6 +202,8 @@ def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, mode
             if isinstance(command, float):
                 worker.step_seconds = command
                 commands.send("ok")
+            elif command == "steps":
+                commands.send(worker.take_steps())
             else:
                 commands.send(worker.take_sends())
         steps.cancel()
