@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.security import TLSFiles, open_channel
+from tandem.router.decode_streams import DecodeStream
 from tandem.router.discovery import Target
 from tandem.router.ejection import HealthPolicy, OutlierState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -55,6 +56,7 @@ class WorkerEndpoint:
     # Worker-side ids of requests the router gave up on here after the worker failed them;
     # it rejoins the pool only once it holds none of them.
     abandoned_request_ids: set[str] = field(default_factory=set)
+    decode_stream: DecodeStream = field(default_factory=DecodeStream)  # carries every Decode
 
     @property
     def is_healthy(self) -> bool:
