@@ -64,12 +64,11 @@ class KVEventPublisher:
         except RuntimeError:  # the loop is closed: the worker is exiting, nobody listens
             pass
 
-    def _snapshot(self, engine) -> tuple[list[int], int, int]:
-        """On the engine thread: every hash held now, the latest change number, block size."""
-        manager = engine.block_manager
-        manager.cache_listener = self  # from the first subscription on; stays installed
+    def last_change(self) -> int:
+        """The latest change's number (AsyncEngine.watch_prefix_cache reads it with the
+        snapshot it takes)."""
         with self._lock:
-            return list(manager.hash_to_block_id), self._last_change, manager.block_size
+            return self._last_change
 
     # -- event loop ------------------------------------------------------------------------
 
@@ -99,9 +98,11 @@ class KVEventPublisher:
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
-            hashes, snapshot_change, block_size = await self.engine.call(self._snapshot)
+            # From the first subscription on this publisher stays the cache's listener.
+            snapshot = await self.engine.watch_prefix_cache(self)
+            snapshot_change, block_size = snapshot.last_change, snapshot.block_size
             yield worker_pb2.SubscribeKVEventsResponse(is_snapshot=True, block_size=block_size,
-                                                       stored_hashes=hashes)
+                                                       stored_hashes=snapshot.block_hashes)
             while True:
                 batches = [await queue.get()]
                 while not queue.empty():  # coalesce whatever else is already queued

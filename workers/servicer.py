@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable
 
 import grpc
 
@@ -28,6 +29,7 @@ from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, BlocksReserved, EngineFailure, TokenEvent
 from tandem.workers.decode_stream import DecodeStreamSession
+from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
 from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
@@ -188,27 +190,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if task is not None:
             task.cancel()  # its handler aborts the request once it stops touching KV
             return worker_pb2.AbortResponse(found=True)
-        found = await self.engine.call_shielded(lambda e: e.abort(request.request_id))
+        found = await self.engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context):
-        engine = self.engine.engine  # plain reads of counters; no need to wait for a step
-        manager = engine.block_manager
+        load = self.engine.load  # published by the engine thread; no need to wait for a step
         return worker_pb2.GetLoadResponse(
-            role=self.role, num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting) + len(engine.awaiting_grammar),
-            kv_usage=manager.usage,
-            num_free_blocks=manager.num_free_blocks, num_pinned=len(engine.pinned),
-            model=self.model_name, instance_id=self.instance_id,
+            role=self.role, num_running=load.num_running, num_waiting=load.num_waiting,
+            kv_usage=load.kv_usage, num_free_blocks=load.num_free_blocks,
+            num_pinned=load.num_pinned, model=self.model_name, instance_id=self.instance_id,
             held_request_ids=[request_id for request_id in request.request_ids
-                              if request_id in self._tasks or request_id in engine.requests])
+                              if request_id in self._tasks
+                              or self.engine.holds_request(request_id)])
 
     async def SubscribeKVEvents(self, request, context):
         async for message in self.kv_events.subscribe(context):
             yield message
 
     async def ResetPrefixCache(self, request, context):
-        num_forgotten = await self.engine.call(lambda e: e.block_manager.reset_prefix_cache())
+        num_forgotten = await self.engine.reset_prefix_cache()
         return worker_pb2.ResetPrefixCacheResponse(num_forgotten_blocks=num_forgotten)
 
     # -- helpers ---------------------------------------------------------------------------
@@ -230,7 +230,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _abort_soon(self, request_id: str) -> None:
         """Queue the request's abort for the engine thread (after every command queued before
         it, such as its add). Not awaited, so no cancellation can drop it."""
-        self.engine.submit(lambda e: e.abort(request_id))
+        self.engine.abort_soon(request_id)
 
     def _end(self, request_id: str) -> None:
         self._tasks.pop(request_id, None)
@@ -249,18 +249,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _add(self, context, token_ids, params, request_id, **kwargs) -> None:
-        await self._queue_request(context, lambda e: e.add_request(token_ids, params,
+        await self._queue_request(context, self.engine.add_request(token_ids, params,
                                                                    request_id, **kwargs))
 
     async def _resume(self, context, prompt, generated, params, request_id) -> None:
-        await self._queue_request(context, lambda e: e.resume_request(
+        await self._queue_request(context, self.engine.resume_request(
             prompt, generated, params, request_id, deadline=_deadline(context)))
 
-    async def _queue_request(self, context, command) -> None:
-        """Runs an engine command that queues a request; its refusal becomes the status that
-        names it."""
+    async def _queue_request(self, context, command: Awaitable[Sequence]) -> None:
+        """Awaits an engine command that queues a request; its refusal becomes the status
+        that names it."""
         try:
-            seq = await self.engine.call(command)
+            seq = await command
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except AlreadyExistsError as exc:
@@ -295,7 +295,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return events
 
     def _handle(self, request_id: str, num_tokens: int, event) -> worker_pb2.KVHandle:
-        lease = self.engine.engine.config.kv_lease_seconds
+        lease = self.engine.kv_lease_seconds
         num_blocks = -(-num_tokens // self.layout.block_size)
         handle = worker_pb2.KVHandle(
             handle_id=request_id, backend="grpc", source_address=self.address,
@@ -364,7 +364,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The blocks are here: release the source's pin off the critical path (its engine
         # thread may be mid-prefill); a lost release is freed by the lease anyway.
         self._background(release_kv(channel, handle.handle_id))
-        await self.engine.call(lambda e: e.activate_prefilled(seq, handle.num_tokens))
+        await self.engine.activate_prefilled(seq, handle.num_tokens)
         return seconds
 
     async def _recompute(self, context, seq, prompt, generated, params, message) -> None:
@@ -377,21 +377,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                        request_id)
         if self.metrics is not None:
             self.metrics.kv_pull_recomputes.inc()
-        deadline = _deadline(context)
-
-        def abort_and_resume(engine):
-            engine.abort(request_id)
-            return engine.resume_request(prompt, generated, params, request_id,
-                                         deadline=deadline)
-        await self._queue_request(context, abort_and_resume)
+        await self._queue_request(context, self.engine.abort_and_resume(
+            prompt, generated, params, request_id, deadline=_deadline(context)))
 
     async def _reserve(self, context, stream, prompt, generated, params, request_id):
         """Queue the request for blocks to receive its KV into (WAITING_FOR_REMOTE_KVS) and
         wait until the engine reserved them (and a constrained request's grammar compiled);
         RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS (the request leaves the queue)."""
         try:
-            seq = await self.engine.call(lambda e: e.queue_prefilled(
-                prompt, generated, params, request_id, deadline=_deadline(context)))
+            seq = await self.engine.queue_prefilled(prompt, generated, params, request_id,
+                                                    deadline=_deadline(context))
         except OutOfRangeError as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except ValueError as exc:  # a structured_output grammar known not to compile
