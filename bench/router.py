@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]
     token_file.write(secrets.token_hex(16))
     token_file.close()
     router = subprocess.Popen(
-        [sys.executable, "-m", "tandem.router.server", "--model", model, "--port",
+        [args.router_python, "-m", "tandem.router.server", "--model", model, "--port",
          str(router_port), "--both", f"127.0.0.1:{worker_port}", "--max-concurrency", "4096",
          "--internal-token-file", token_file.name, "--processes", "1", *args.router_arg],
         stdout=subprocess.DEVNULL if not args.router_log else open(args.router_log, "w"),
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag (repeatable), e.g. --router-arg=--processes=2 (the "
                         "default is one process)")
+    p.add_argument("--router-python", default=sys.executable,
+                   help="the Python whose tandem package runs the router (another checkout's "
+                        "virtual environment, to compare its router in this same harness)")
     p.add_argument("--router-log", help="write the router's log here")
     p.add_argument("--json", help="write the results here")
     return p

@@ -2,11 +2,13 @@
 engine behind it.
 
 It answers what the router calls (grpc.health.v1 Check, Worker/GetLoad, DecodeStream,
-Prefill, Abort) as an aggregated ("both") worker would. A step loop stands in for the engine:
-every `step_seconds` (0: as fast as the event loop turns) it appends the next token to every
-open request, up to the request's max_tokens. Each DecodeStream sends, as the real servicer
-does, every request's tokens made since its previous message in one message, so one step's
-tokens leave together and a stream that falls behind the steps coalesces. Token ids walk a
+Decode, Prefill, Abort) as an aggregated ("both") worker would, so it also serves a router
+that makes one Decode call per request (bench/router.py --router-python). A step loop stands
+in for the engine: every `step_seconds` (0: as fast as the event loop turns) it appends the
+next token to every open request, up to the request's max_tokens. Each DecodeStream sends, as
+the real servicer does, every request's tokens made since its previous message in one message,
+so one step's tokens leave together and a stream that falls behind the steps coalesces; a
+Decode call sends its request's tokens made since its previous message. Token ids walk a
 text encoded with the served model's tokenizer (a different starting point per request), so
 the router's detokenizer and stop-string scan do the work they do on real output.
 
@@ -93,6 +95,21 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "the fake worker serves aggregated (both) requests only")
 
+    async def Decode(self, request, context):  # noqa: N802
+        """One request on a call of its own (what a router without DecodeStream calls): each
+        message carries the request's tokens made since its previous one."""
+        session = _Session()
+        stream = self._open(request, session)
+        try:
+            while stream.request_id in session.streams:
+                await session.ready.wait()
+                session.ready.clear()
+                update = self._take_update(stream)
+                if update is not None:
+                    yield update.response
+        finally:
+            self._streams.pop(stream.request_id, None)
+
     async def DecodeStream(self, request_iterator, context):  # noqa: N802
         session = _Session()
         reader = asyncio.create_task(self._read_requests(request_iterator, session))
@@ -111,14 +128,17 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
 
     async def _read_requests(self, request_iterator, session: _Session) -> None:
         async for message in request_iterator:
-            request = message.start
-            request_id = request.request_id
-            start = zlib.crc32(request_id.encode()) % len(self.token_ids)
-            stream = _Stream(request_id, request.params.max_tokens, start,
-                             request.params.HasField("logprobs"), session)
-            self._streams[request_id] = session.streams[request_id] = stream
-            self.sends[request_id.rsplit(".", 1)[0]] = stream.sends
-            self.steps[request_id.rsplit(".", 1)[0]] = stream.steps
+            self._open(message.start, session)
+
+    def _open(self, request: worker_pb2.DecodeRequest, session: _Session) -> _Stream:
+        request_id = request.request_id
+        start = zlib.crc32(request_id.encode()) % len(self.token_ids)
+        stream = _Stream(request_id, request.params.max_tokens, start,
+                         request.params.HasField("logprobs"), session)
+        self._streams[request_id] = session.streams[request_id] = stream
+        self.sends[request_id.rsplit(".", 1)[0]] = stream.sends
+        self.steps[request_id.rsplit(".", 1)[0]] = stream.steps
+        return stream
 
     def _take_update(self, stream: _Stream) -> worker_pb2.DecodeUpdate | None:
         """The stream's tokens made since its previous update (None: none)."""

@@ -73,3 +73,23 @@ def test_fake_worker_records_each_tokens_step_time_no_later_than_its_send():
     assert step_times == sorted(step_times) and len(set(step_times)) == 30  # one per step
     send_times = np.repeat(*map(np.array, zip(*sends)))
     assert (np.array(step_times) <= send_times).all()
+
+
+def test_fake_worker_serves_a_decode_call_per_request_with_the_same_walk():
+    worker = FakeWorker(token_ids=list(range(100, 110)), step_seconds=0.001, model="m")
+
+    def register(server):
+        worker.register(server)
+        asyncio.get_running_loop().create_task(worker.run_steps())
+
+    request = worker_pb2.DecodeRequest(request_id="client-0.5f1e",
+                                       params=worker_pb2.EngineParams(max_tokens=23))
+    with serve(register) as address:
+        with grpc.insecure_channel(address) as channel:
+            messages = list(worker_pb2_grpc.WorkerStub(channel).Decode(request, timeout=10))
+    token_ids = [t for m in messages for t in m.token_ids]
+    assert len(token_ids) == 23
+    assert all(b == 100 + (a - 100 + 1) % 10 for a, b in zip(token_ids, token_ids[1:]))
+    assert messages[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert [n for _, n in worker.take_sends()["client-0"]] == [len(m.token_ids) for m in messages]
+    assert len(worker.take_steps()["client-0"]) == 23
