@@ -22,7 +22,10 @@ runs two phases:
   carrying it (both time.monotonic(), one clock per host). It includes gRPC on both hops and
   the wait of a message behind the others of the same step (every stream's token of a step
   arrives at once), nothing else; on a machine with fewer free cores than the processes need
-  it also includes waits for a core.
+  it also includes waits for a core. "from step" (p50 / p99) counts from the fake engine's
+  step that made the token instead: it adds the worker's own writing of the step's tokens,
+  which the send time leaves out (a worker writing one message per request sends the last
+  of a step's tokens later than the first).
 """
 from __future__ import annotations
 
@@ -71,6 +74,8 @@ class PhaseResult:
     worker_cpu_seconds: float
     added_latency_ms_p50: float
     added_latency_ms_p99: float
+    from_step_ms_p50: float
+    from_step_ms_p99: float
 
     @property
     def tokens_per_router_cpu_second(self) -> float:
@@ -95,13 +100,15 @@ def format_table(capacity: list[PhaseResult], paced: list[PhaseResult]) -> str:
     token, its added latency), then the saturated one (throughput, and how many tokens each
     client chunk carried once messages coalesce)."""
     lines = ["| streams | paced tok/s | tok/s per router core | added ms/token p50 | p99 | "
-             "saturated wall tok/s | tok/s per router core | router cores | tokens/chunk | "
-             "errors |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "from step p50 / p99 | saturated wall tok/s | tok/s per router core | "
+             "router cores | tokens/chunk | errors |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for full, slow in zip(capacity, paced):
         lines.append(
             f"| {full.streams} | {slow.wall_tokens_per_second:,.0f} | "
             f"{slow.tokens_per_router_cpu_second:,.0f} | {slow.added_latency_ms_p50:.2f} | "
-            f"{slow.added_latency_ms_p99:.2f} | {full.wall_tokens_per_second:,.0f} | "
+            f"{slow.added_latency_ms_p99:.2f} | {slow.from_step_ms_p50:.2f} / "
+            f"{slow.from_step_ms_p99:.2f} | {full.wall_tokens_per_second:,.0f} | "
             f"{full.tokens_per_router_cpu_second:,.0f} | "
             f"{full.router_cpu_seconds / full.seconds:.2f} | {full.tokens_per_chunk:.1f} | "
             f"{full.num_errors + slow.num_errors} |")
@@ -204,14 +211,26 @@ def measure_phase(router_address: str, router_pid: int, worker, worker_pid: int,
         process.join()
     worker.send("sends")
     sends = worker.recv()
+    worker.send("steps")
+    steps = worker.recv()
     in_window = [n for chunks in received.values() for t, n in chunks if start_at <= t < stop_at]
     num_tokens = sum(in_window)
     latencies = added_latencies(sends, received, start_at, stop_at) * 1000
-    p50, p99 = (np.percentile(latencies, [50, 99]) if len(latencies) else (float("nan"),) * 2)
+    p50, p99 = _percentiles(latencies)
+    step_p50, step_p99 = _percentiles(added_latencies(steps, received, start_at, stop_at) * 1000)
     router_cpu, client_cpu, worker_cpu = (a - b for a, b in zip(cpu_after, cpu_before))
     return PhaseResult(streams, step_seconds, stop_at - start_at, num_tokens, len(in_window),
                        num_done,
-                       num_errors, router_cpu, client_cpu, worker_cpu, float(p50), float(p99))
+                       num_errors, router_cpu, client_cpu, worker_cpu, p50, p99, step_p50,
+                       step_p99)
+
+
+def _percentiles(latencies: np.ndarray) -> tuple[float, float]:
+    """p50 and p99 (NaN without samples)."""
+    if not len(latencies):
+        return float("nan"), float("nan")
+    p50, p99 = np.percentile(latencies, [50, 99])
+    return float(p50), float(p99)
 
 
 def _wait_serving(address: str, process: subprocess.Popen) -> None:
@@ -242,7 +261,7 @@ def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[PhaseResult]]
     token_file.write(secrets.token_hex(16))
     token_file.close()
     router = subprocess.Popen(
-        [sys.executable, "-m", "tandem.router.server", "--model", model, "--port",
+        [args.router_python, "-m", "tandem.router.server", "--model", model, "--port",
          str(router_port), "--both", f"127.0.0.1:{worker_port}", "--max-concurrency", "4096",
          "--internal-token-file", token_file.name, "--processes", "1", *args.router_arg],
         stdout=subprocess.DEVNULL if not args.router_log else open(args.router_log, "w"),
@@ -294,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag (repeatable), e.g. --router-arg=--processes=2 (the "
                         "default is one process)")
+    p.add_argument("--router-python", default=sys.executable,
+                   help="the Python whose tandem package runs the router (another checkout's "
+                        "virtual environment, to compare its router in this same harness)")
     p.add_argument("--router-log", help="write the router's log here")
     p.add_argument("--json", help="write the results here")
     return p

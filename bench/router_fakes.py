@@ -1,18 +1,20 @@
 """The router microbenchmark's fake worker: a real gRPC server of the worker protocol with no
 engine behind it.
 
-It answers what the router calls (grpc.health.v1 Check, Worker/GetLoad, Decode, Prefill,
-Abort) as an aggregated ("both") worker would. A step loop stands in for the engine: every
-`step_seconds` (0: as fast as the event loop turns) it appends the next token to every open
-stream, up to the stream's max_tokens. Each Decode handler sends, as the real servicer does,
-every token queued since its previous message in one DecodeResponse, so a handler that falls
-behind the steps coalesces. Token ids walk a text encoded with the served model's tokenizer
-(a different starting point per request), so the router's detokenizer and stop-string scan do
-the work they do on real output.
+It answers what the router calls (grpc.health.v1 Check, Worker/GetLoad, DecodeStream,
+Decode, Prefill, Abort) as an aggregated ("both") worker would, so it also serves a router
+that makes one Decode call per request (bench/router.py --router-python). A step loop stands
+in for the engine: every `step_seconds` (0: as fast as the event loop turns) it appends the
+next token to every open request, up to the request's max_tokens. Each DecodeStream sends, as
+the real servicer does, every request's tokens made since its previous message in one message,
+so one step's tokens leave together and a stream that falls behind the steps coalesces; a
+Decode call sends its request's tokens made since its previous message. Token ids walk a
+text encoded with the served model's tokenizer (a different starting point per request), so
+the router's detokenizer and stop-string scan do the work they do on real output.
 
-For the latency figure every message's send time (time.monotonic(), the clock every process
-on the host shares) is recorded per request, under the id the client chose: the router names
-a worker-side request `<client id>.<uuid>`.
+For the latency figures every message's send time and every token's step time
+(time.monotonic(), the clock every process on the host shares) are recorded per request,
+under the id the client chose: the router names a worker-side request `<client id>.<uuid>`.
 """
 from __future__ import annotations
 
@@ -53,20 +55,28 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
         self.step_seconds = step_seconds
         self.model = model
         self._streams: dict[str, _Stream] = {}
-        # client request id -> [(send time, tokens in the message)], filled by Decode.
+        # client request id -> [(send time, tokens in the message)], filled by DecodeStream.
         self.sends: dict[str, list[tuple[float, int]]] = {}
+        # client request id -> [(time of the step that made it, 1)] per token.
+        self.steps: dict[str, list[tuple[float, int]]] = {}
 
     def take_sends(self) -> dict[str, list[tuple[float, int]]]:
         """Every send recorded so far; starts a new record."""
         sends, self.sends = self.sends, {}
         return sends
 
+    def take_steps(self) -> dict[str, list[tuple[float, int]]]:
+        """Every token's step time recorded so far; starts a new record."""
+        steps, self.steps = self.steps, {}
+        return steps
+
     async def run_steps(self) -> None:
         """The stand-in engine: one token for every open stream per step."""
         while True:
             await asyncio.sleep(self.step_seconds)
+            step_time = time.monotonic()
             for stream in self._streams.values():
-                stream.step(self.token_ids)
+                stream.step(self.token_ids, step_time)
 
     async def Check(self, request, context):  # noqa: N802 (gRPC's naming)
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
@@ -76,9 +86,9 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
                                           model=self.model)
 
     async def Abort(self, request, context):  # noqa: N802
-        stream = self._streams.get(request.request_id)
+        stream = self._streams.pop(request.request_id, None)
         if stream is not None:
-            stream.task.cancel()
+            stream.session.streams.pop(request.request_id, None)
         return worker_pb2.AbortResponse(found=stream is not None)
 
     async def Prefill(self, request, context):  # noqa: N802
@@ -86,66 +96,115 @@ class FakeWorker(health_pb2_grpc.HealthServicer, worker_pb2_grpc.WorkerServicer)
                             "the fake worker serves aggregated (both) requests only")
 
     async def Decode(self, request, context):  # noqa: N802
+        """One request on a call of its own (what a router without DecodeStream calls): each
+        message carries the request's tokens made since its previous one."""
+        session = _Session()
+        stream = self._open(request, session)
+        try:
+            while stream.request_id in session.streams:
+                await session.ready.wait()
+                session.ready.clear()
+                update = self._take_update(stream)
+                if update is not None:
+                    yield update.response
+        finally:
+            self._streams.pop(stream.request_id, None)
+
+    async def DecodeStream(self, request_iterator, context):  # noqa: N802
+        session = _Session()
+        reader = asyncio.create_task(self._read_requests(request_iterator, session))
+        try:
+            while True:
+                await session.ready.wait()
+                session.ready.clear()
+                updates = [update for stream in list(session.streams.values())
+                           if (update := self._take_update(stream)) is not None]
+                if updates:
+                    yield worker_pb2.DecodeStreamResponse(updates=updates)
+        finally:
+            reader.cancel()
+            for request_id in session.streams:
+                self._streams.pop(request_id, None)
+
+    async def _read_requests(self, request_iterator, session: _Session) -> None:
+        async for message in request_iterator:
+            self._open(message.start, session)
+
+    def _open(self, request: worker_pb2.DecodeRequest, session: _Session) -> _Stream:
         request_id = request.request_id
         start = zlib.crc32(request_id.encode()) % len(self.token_ids)
-        stream = _Stream(request.params.max_tokens, start, request.params.HasField("logprobs"),
-                         asyncio.current_task())
-        self._streams[request_id] = stream
-        sends: list[tuple[float, int]] = []
-        self.sends[request_id.rsplit(".", 1)[0]] = sends
-        try:
-            while stream.num_sent < stream.max_tokens:
-                await stream.ready.wait()
-                stream.ready.clear()
-                token_ids = stream.pending
-                stream.pending = []
-                stream.num_sent += len(token_ids)
-                finished = stream.num_sent >= stream.max_tokens
-                response = worker_pb2.DecodeResponse(
-                    token_ids=token_ids,
-                    finish_reason=generate_pb2.FINISH_REASON_LENGTH if finished else 0)
-                if stream.wants_logprobs:
-                    response.logprobs.extend(generate_pb2.TokenLogprob(
-                        token_id=t, logprob=-0.5, rank=1, top=[generate_pb2.TopLogprob(
-                            token_id=t, logprob=-0.5)]) for t in token_ids)
-                sends.append((time.monotonic(), len(token_ids)))
-                yield response
-        finally:
-            del self._streams[request_id]
+        stream = _Stream(request_id, request.params.max_tokens, start,
+                         request.params.HasField("logprobs"), session)
+        self._streams[request_id] = session.streams[request_id] = stream
+        self.sends[request_id.rsplit(".", 1)[0]] = stream.sends
+        self.steps[request_id.rsplit(".", 1)[0]] = stream.steps
+        return stream
+
+    def _take_update(self, stream: _Stream) -> worker_pb2.DecodeUpdate | None:
+        """The stream's tokens made since its previous update (None: none)."""
+        token_ids = stream.pending
+        if not token_ids:
+            return None
+        stream.pending = []
+        stream.num_sent += len(token_ids)
+        finished = stream.num_sent >= stream.max_tokens
+        response = worker_pb2.DecodeResponse(
+            token_ids=token_ids,
+            finish_reason=generate_pb2.FINISH_REASON_LENGTH if finished else 0)
+        if stream.wants_logprobs:
+            response.logprobs.extend(generate_pb2.TokenLogprob(
+                token_id=t, logprob=-0.5, rank=1, top=[generate_pb2.TopLogprob(
+                    token_id=t, logprob=-0.5)]) for t in token_ids)
+        if finished:
+            del self._streams[stream.request_id]
+            del stream.session.streams[stream.request_id]
+        stream.sends.append((time.monotonic(), len(token_ids)))
+        return worker_pb2.DecodeUpdate(request_id=stream.request_id, response=response)
 
     def register(self, server: grpc.aio.Server) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self, server)
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
 
 
-class _Stream:
-    """One Decode call's queue between the step loop and its handler."""
+class _Session:
+    """One DecodeStream call: its open streams, and whether a step gave any a token."""
 
-    def __init__(self, max_tokens: int, position: int, wants_logprobs: bool,
-                 task: asyncio.Task) -> None:
+    def __init__(self) -> None:
+        self.streams: dict[str, _Stream] = {}
+        self.ready = asyncio.Event()
+
+
+class _Stream:
+    """One request of a DecodeStream, between the step loop and the stream's writer."""
+
+    def __init__(self, request_id: str, max_tokens: int, position: int, wants_logprobs: bool,
+                 session: _Session) -> None:
+        self.request_id = request_id
         self.max_tokens = max_tokens
         self.position = position
         self.wants_logprobs = wants_logprobs
-        self.task = task
+        self.session = session
         self.pending: list[int] = []
         self.num_made = 0
         self.num_sent = 0
-        self.ready = asyncio.Event()
+        self.sends: list[tuple[float, int]] = []  # (send time, tokens in the message)
+        self.steps: list[tuple[float, int]] = []  # (step time, 1) per token made
 
-    def step(self, token_ids: list[int]) -> None:
+    def step(self, token_ids: list[int], step_time: float) -> None:
         if self.num_made >= self.max_tokens:
             return
+        self.steps.append((step_time, 1))
         self.pending.append(token_ids[self.position % len(token_ids)])
         self.position += 1
         self.num_made += 1
-        self.ready.set()
+        self.session.ready.set()
 
 
 def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, model: str,
                       commands) -> None:
     """Process entry point: serve on 127.0.0.1:`port` until told to stop. `commands` is a
-    multiprocessing connection: "sends" answers take_sends(), a float sets step_seconds,
-    "stop" ends the process."""
+    multiprocessing connection: "sends" answers take_sends(), "steps" take_steps(), a float
+    sets step_seconds, "stop" ends the process."""
     worker = FakeWorker(token_ids, step_seconds, model)
 
     async def main() -> None:
@@ -163,6 +222,8 @@ def serve_fake_worker(port: int, token_ids: list[int], step_seconds: float, mode
             if isinstance(command, float):
                 worker.step_seconds = command
                 commands.send("ok")
+            elif command == "steps":
+                commands.send(worker.take_steps())
             else:
                 commands.send(worker.take_sends())
         steps.cancel()

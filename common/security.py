@@ -68,15 +68,14 @@ def add_port(server, address: str, tls: TLSFiles | None) -> int:
 INTERNAL_TOKEN_KEY = "tandem-internal-token"
 
 
-def open_channel(address: str, tls: TLSFiles | None,
-                 token: str | None = None) -> grpc.aio.Channel:
+def open_channel(address: str, tls: TLSFiles | None, token: str | None = None,
+                 extra_options: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Channel:
     """A channel to another Tandem process; with `token`, every call carries the internal
-    token (INTERNAL_TOKEN_KEY metadata)."""
+    token (INTERNAL_TOKEN_KEY metadata). `extra_options` are added grpc channel options."""
     interceptors = _metadata_interceptors(((INTERNAL_TOKEN_KEY, token),)) if token else None
+    options = [*CHANNEL_OPTIONS, *extra_options]
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                         interceptors=interceptors)
-    options = list(CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options,

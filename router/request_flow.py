@@ -30,6 +30,7 @@ from tandem.common.convert import (engine_params_to_proto, finish_reason_from_pr
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.sampling_params import SamplingParams
+from tandem.router.decode_streams import DecodeReceiver, WorkerStatusError
 from tandem.router.migration import Attempt, MigrationLog
 from tandem.router.output import OutputAssembler
 from tandem.router.routing_policy import RoutingNote
@@ -212,10 +213,9 @@ class RequestFlow:
         if finish is not None:
             return
         decode = self._pick(attempt, "decode")
-        call = decode.stub.Decode(worker_pb2.DecodeRequest(
+        call = self._start_decode(decode, worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
-            generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle),
-            timeout=self.context.time_remaining())
+            generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle))
         async with aclosing(self._relay(decode, call, self._first_token_timeout())) as relay:
             async for item in relay:
                 yield item
@@ -223,10 +223,9 @@ class RequestFlow:
     async def _aggregated(self):
         attempt = self.migrations.current
         worker = self._pick(attempt, "both")
-        call = worker.stub.Decode(worker_pb2.DecodeRequest(
+        call = self._start_decode(worker, worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
-            params=engine_params_to_proto(self.request.params)),
-            timeout=self.context.time_remaining())
+            params=engine_params_to_proto(self.request.params)))
         async with aclosing(self._relay(worker, call, self._first_token_timeout())) as relay:
             async for item in relay:
                 yield item
@@ -240,18 +239,26 @@ class RequestFlow:
             return
         attempt = self.migrations.current
         worker = self._pick(attempt, "decode", "both")
-        call = worker.stub.Decode(worker_pb2.DecodeRequest(
+        call = self._start_decode(worker, worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
             generated_token_ids=generated,
-            params=engine_params_to_proto(self.request.params)),
-            timeout=self.context.time_remaining())
+            params=engine_params_to_proto(self.request.params)))
         first_token_timeout = self.stall.first_token_timeout(
             len(self.request.prompt_token_ids) + len(generated))
         async with aclosing(self._relay(worker, call, first_token_timeout)) as relay:
             async for item in relay:
                 yield item
 
-    async def _relay(self, worker: WorkerEndpoint, call, first_token_timeout: float | None):
+    def _start_decode(self, worker: WorkerEndpoint,
+                      request: worker_pb2.DecodeRequest) -> DecodeReceiver:
+        remaining = self.context.time_remaining()
+        return worker.decode_stream.start(
+            worker.stub, request, None if remaining is None else max(remaining, 1e-3))
+
+    async def _relay(self, worker: WorkerEndpoint, receiver: DecodeReceiver,
+                     first_token_timeout: float | None):
+        """(token_ids, logprobs, finish_reason) per read of the request's decode updates:
+        the tokens of every message that arrived since the previous read."""
         worker.num_in_flight += 1
         # Its first message follows the KV pull or the whole prompt: the first-token allowance;
         # every later one a single decode step.
@@ -259,26 +266,31 @@ class RequestFlow:
         try:
             awaited = "a message"
             while True:
-                message = await self._call(worker, watchdog.read(call), watchdog, awaited)
-                if message is grpc.aio.EOF:
+                messages = await self._call(worker, watchdog.read(receiver), watchdog, awaited)
+                if messages is grpc.aio.EOF:
                     self.pool.mark_failed(worker, "ended a stream unfinished")
                     raise WorkerFailure(worker, "stream_ended",
                                         f"{worker.role} worker {worker.address} ended the "
                                         "stream without finishing the request")
                 if watchdog.is_first:
                     if worker.role == "both" and not self.output.token_ids:
-                        self.num_cached_tokens = message.num_cached_tokens
+                        self.num_cached_tokens = messages[0].num_cached_tokens
                     watchdog.is_first = False
                     watchdog.seconds = self.stall.token_gap_timeout
                     awaited = "the next token"
-                finish = finish_reason_from_proto(message.finish_reason)
-                yield message.token_ids, message.logprobs, finish
+                last = messages[-1]
+                finish = finish_reason_from_proto(last.finish_reason)
+                if len(messages) == 1:
+                    yield last.token_ids, last.logprobs, finish
+                else:
+                    yield ([t for m in messages for t in m.token_ids],
+                           [p for m in messages for p in m.logprobs], finish)
                 if finish is not None:
                     return
         finally:
             watchdog.close()
             worker.num_in_flight -= 1
-            call.cancel()
+            receiver.close()
 
     def _candidates(self, *roles: str) -> list[WorkerEndpoint]:
         """Healthy workers of these roles that have not failed this request."""
@@ -322,7 +334,7 @@ class RequestFlow:
             self.pool.mark_failed(worker, reason, cause="stall")
             raise WorkerFailure(worker, "stall",
                                 f"{worker.role} worker {worker.address} {reason}") from None
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, WorkerStatusError) as exc:
             code = exc.code()
             if code in _PASSED_THROUGH:
                 raise RequestError(code, exc.details() or code.name) from exc

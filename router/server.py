@@ -41,6 +41,9 @@ def _addresses(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()] if value else []
 
 
+EVENT_LOOPS = ("asyncio", "uvloop")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem router", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF folder (tokenizer, chat template, limits)")
@@ -121,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-delay-seconds", type=float, default=1.0,
                    help="after SIGTERM, report NOT_SERVING (and refuse new calls) this long "
                         "before closing the port, so load balancers stop sending")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default="asyncio",
+                   help="the event loop the router runs on (uvloop: pip install tandem[uvloop])")
     add_routing_flags(p)
     return p
 
@@ -236,11 +241,27 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--processes={num_processes} must be >= 1")
         if num_processes > 1:
             return supervise(argv, num_processes, args)
-        asyncio.run(serve(args))
+        run = event_loop_runner(args.event_loop)
+        run(serve(args))
     except ValueError as exc:
         print(f"tandem router: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def event_loop_runner(event_loop: str):
+    """asyncio.run, or uvloop.run for --event-loop uvloop (ValueError without the package:
+    pip install tandem[uvloop])."""
+    if event_loop == "asyncio":
+        return asyncio.run
+    if event_loop != "uvloop":
+        raise ValueError(f"--event-loop={event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
+    try:
+        import uvloop
+    except ImportError:
+        raise ValueError("--event-loop uvloop needs the uvloop package (pip install "
+                         "tandem[uvloop])") from None
+    return uvloop.run
 
 
 def supervise(argv: list[str], num_processes: int, args: argparse.Namespace) -> int:

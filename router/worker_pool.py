@@ -29,11 +29,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.security import TLSFiles, open_channel
+from tandem.router.decode_streams import DecodeStream
 from tandem.router.discovery import Target
 from tandem.router.ejection import HealthPolicy, OutlierState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = get_logger(__name__)
+# The receive window stays at HTTP/2's default instead of growing with the bandwidth-delay
+# product: a worker's DecodeStream can then run only a few messages ahead of this router's
+# reading, so while the router is behind, the worker folds every step since into its next
+# message (one client chunk per request) rather than queueing a small message per step here.
+WORKER_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)
 
 
 @dataclass(eq=False)
@@ -55,6 +61,7 @@ class WorkerEndpoint:
     # Worker-side ids of requests the router gave up on here after the worker failed them;
     # it rejoins the pool only once it holds none of them.
     abandoned_request_ids: set[str] = field(default_factory=set)
+    decode_stream: DecodeStream = field(default_factory=DecodeStream)  # carries every Decode
 
     @property
     def is_healthy(self) -> bool:
@@ -140,7 +147,7 @@ class WorkerPool:
         return worker
 
     def _connect(self, address: str):
-        channel = open_channel(address, self.tls, self.internal_token)
+        channel = open_channel(address, self.tls, self.internal_token, WORKER_CHANNEL_OPTIONS)
         return channel, worker_pb2_grpc.WorkerStub(channel), health_pb2_grpc.HealthStub(channel)
 
     async def _reconnect(self, worker: WorkerEndpoint) -> None:

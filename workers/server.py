@@ -269,6 +269,7 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(args.drain_delay_seconds)
     worker_servicer.kv_events.close()  # KV event streams never end on their own
+    worker_servicer.close_decode_streams()
     await server.stop(args.shutdown_grace_seconds)
     await peers.close()
     kv.close()

@@ -28,6 +28,7 @@ from tandem.common.metrics import WorkerMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.workers.async_engine import AsyncEngine, BlocksReserved, EngineFailure, TokenEvent
+from tandem.workers.decode_stream import DecodeStreamSession
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
@@ -95,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
         self.kv_events = KVEventPublisher(engine)
+        self._decode_streams: set[DecodeStreamSession] = set()
+        self._is_closing_decode_streams = False
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -125,6 +128,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._end(request_id)
 
     async def Decode(self, request, context):
+        async for response in self._decode(request, context):
+            yield response
+
+    async def DecodeStream(self, request_iterator, context):
+        session = DecodeStreamSession(self._decode, lambda: self._is_closing_decode_streams)
+        self._decode_streams.add(session)
+        try:
+            async for message in session.responses(request_iterator):
+                yield message
+        finally:
+            self._decode_streams.discard(session)
+
+    def close_decode_streams(self) -> None:
+        """Shutting down: DecodeStreams take no new request and end once theirs finish."""
+        self._is_closing_decode_streams = True
+        for session in self._decode_streams:
+            session.wake()
+
+    async def _decode(self, request, context):
+        """One request's decode stream; `context` is its call's, or its DecodeStream
+        RequestScope."""
         await self._require_role(context, "decode")
         params = await self._params(request.params, context)
         request_id = request.request_id

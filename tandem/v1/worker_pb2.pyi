@@ -168,6 +168,32 @@ class DecodeResponse(_message.Message):
     kv_pull_seconds: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("start", "timeout_seconds")
+    START_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeRequest
+    timeout_seconds: float
+    def __init__(self, start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("request_id", "response", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: DecodeResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

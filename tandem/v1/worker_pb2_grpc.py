@@ -46,6 +46,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/tandem.v1.Worker/DecodeStream',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Worker/Abort',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -84,6 +89,18 @@ class WorkerServicer:
     def Decode(self, request, context):
         """Generates the rest of a request, streaming tokens. With a KV handle the worker pulls the
         prompt's KV from the prefill worker; without one it computes the prompt itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """Decodes many requests over one stream (a router keeps one per worker): the caller sends
+        each request once, the worker answers with every request's new tokens since its previous
+        message in one message (one per engine step while the caller keeps up). Each request
+        behaves as a Decode call of its own; its error comes as a status in its update. When the
+        stream ends or fails, every request on it that has not finished is aborted here and
+        failed for the caller. After a shutdown begins, the stream ends once its requests have.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +150,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -211,6 +233,33 @@ class Worker:
             '/tandem.v1.Worker/Decode',
             tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Worker/DecodeStream',
+            tandem_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -207,6 +207,63 @@ def test_a_second_stream_with_a_live_request_id_is_refused_and_leaves_the_first_
         assert len(tokens) == 200
 
 
+def stream_request(request_id: str, prompt: list[int], params: SamplingParams = BUSY,
+                   timeout_seconds: float = 0.0) -> worker_pb2.DecodeStreamRequest:
+    return worker_pb2.DecodeStreamRequest(start=decode_request(request_id, prompt, params),
+                                          timeout_seconds=timeout_seconds)
+
+
+def test_decode_stream_requests_behave_as_decode_calls_of_their_own(worker):
+    """One DecodeStream carries a request that finishes (with the tokens a Decode call gets),
+    one whose deadline passes and one the engine refuses, each ending with its own status;
+    the stream ends once the caller is done sending and its requests have finished, and the
+    deadlined request leaves nothing behind."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = [3, 14, 15, 92, 65] * 4
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        alone = [t for m in stub.Decode(decode_request("alone", prompt, params), timeout=60)
+                 for t in m.token_ids]
+        requests = [stream_request("s-done", prompt, params),
+                    stream_request("s-deadline", [2] * 30, timeout_seconds=0.1),
+                    stream_request("s-refused", [1] * 100_000, params)]
+        token_ids: dict[str, list[int]] = {r.start.request_id: [] for r in requests}
+        statuses: dict[str, grpc.StatusCode] = {}
+        messages: list[str] = []
+        for message in stub.DecodeStream(iter(requests), timeout=60):
+            for update in message.updates:
+                token_ids[update.request_id] += update.response.token_ids
+                if update.response.finish_reason:
+                    statuses[update.request_id] = grpc.StatusCode.OK
+                if update.status_code:
+                    statuses[update.request_id] = next(
+                        c for c in grpc.StatusCode if c.value[0] == update.status_code)
+                    messages.append(update.status_message)
+    assert statuses == {"s-done": grpc.StatusCode.OK,
+                        "s-deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "s-refused": grpc.StatusCode.OUT_OF_RANGE}, (statuses, messages)
+    assert token_ids["s-done"] == alone and len(alone) == 12
+    wait_until(lambda: is_idle(worker.address), timeout=30)
+
+
+def test_a_cancelled_decode_stream_aborts_its_requests(worker):
+    """The caller going away (a router that died) aborts every request of its stream."""
+    before = finished_by_status(worker.metrics_address)
+    with grpc.insecure_channel(worker.address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).DecodeStream(
+            iter([stream_request(f"c{i}", [4 + i] * 25) for i in range(3)]), timeout=60)
+        seen: set[str] = set()
+        for message in call:
+            seen.update(update.request_id for update in message.updates)
+            if len(seen) == 3:
+                break
+        call.cancel()
+    wait_until(lambda: is_idle(worker.address), timeout=30)
+    after = finished_by_status(worker.metrics_address)
+    assert after.get("abort", 0) - before.get("abort", 0) == 3, (before, after)
+    assert after.get("length", 0) == before.get("length", 0), (before, after)
+
+
 @pytest.mark.slow
 def test_sigterm_with_streams_in_flight_ends_the_worker_with_code_0(checkpoint, tmp_path):
     """SIGTERM drains in-flight streams (within --shutdown-grace-seconds) and the process

@@ -71,6 +71,7 @@ def worker_load(address: str, request_ids=()) -> worker_pb2.GetLoadResponse:
 # Every RPC a worker serves, with a request message of its type.
 WORKER_RPCS = [("Worker", "Prefill", worker_pb2.PrefillRequest),
                ("Worker", "Decode", worker_pb2.DecodeRequest),
+               ("Worker", "DecodeStream", worker_pb2.DecodeStreamRequest),
                ("Worker", "Abort", worker_pb2.AbortRequest),
                ("Worker", "GetLoad", worker_pb2.GetLoadRequest),
                ("Worker", "SubscribeKVEvents", worker_pb2.SubscribeKVEventsRequest),
@@ -85,7 +86,9 @@ WORKER_RPCS = [("Worker", "Prefill", worker_pb2.PrefillRequest),
 def call_worker_rpc(channel, service: str, method: str, request_type, metadata=()):
     """Run one worker RPC to its end (a stream is drained); raises grpc.RpcError."""
     stub = getattr(worker_pb2_grpc, f"{service}Stub")(channel)
-    reply = getattr(stub, method)(request_type(), metadata=metadata, timeout=10)
+    descriptor = worker_pb2.DESCRIPTOR.services_by_name[service].methods_by_name[method]
+    message = iter([request_type()]) if descriptor.client_streaming else request_type()
+    reply = getattr(stub, method)(message, metadata=metadata, timeout=10)
     if hasattr(reply, "__iter__") and not hasattr(reply, "ListFields"):
         return list(reply)
     return reply
