@@ -164,10 +164,12 @@ def test_deadlined_and_aborted_prefills_leave_nothing_pinned(checkpoint, tmp_pat
             load = worker_load(prefill.address)
             return load.num_running == 0 and load.num_waiting == 0
         wait_until(lambda: is_quiet() and num_ended() == num_prefills, timeout=60)
-        # A prefill whose abort was lost runs on and pins its KV like a finished one.
-        assert finished_by_status(metrics).get("pinned", 0) - before.get("pinned", 0) \
-            == num_done
-        assert worker_load(prefill.address).num_pinned == num_done
+        # A prefill that finishes on the worker as its caller's deadline passes ends "pinned"
+        # there while the caller sees DEADLINE_EXCEEDED; the caller's abort then releases it.
+        num_pinned_ends = finished_by_status(metrics).get("pinned", 0) - before.get("pinned", 0)
+        assert num_done <= num_pinned_ends <= num_done + len(aborts)
+        # A prefill whose abort was lost runs on and keeps its KV pinned.
+        wait_until(lambda: worker_load(prefill.address).num_pinned == num_done, timeout=10)
     finally:
         stop([prefill])
 
