@@ -285,12 +285,16 @@ class FusedMoE(nn.Module):
                        renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
         """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts."""
         if self._takes_decode_path(hidden.shape[0], top_k):
-            from tandem.workers.ops.gpu.moe_decode import decode_moe
-            return self._reduced(decode_moe(hidden, self.w13, self.w2,
-                                            router_logits=router_logits, top_k=top_k,
-                                            renormalize=renormalize))
+            return self._decode_kernels(hidden, router_logits=router_logits, top_k=top_k,
+                                        renormalize=renormalize)
         topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize=renormalize)
         return self(hidden, topk_weights, topk_ids)
+
+    def _decode_kernels(self, hidden: torch.Tensor, **routing: object) -> torch.Tensor:
+        """moe_decode.decode_moe over this rank's experts (`routing`: router logits and top_k,
+        or the chosen weights and ids), all-reduced under TP."""
+        from tandem.workers.ops.gpu.moe_decode import decode_moe  # needs triton
+        return self._reduced(decode_moe(hidden, self.w13, self.w2, **routing))
 
     def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -300,9 +304,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
         if self._takes_decode_path(hidden.shape[0], topk_ids.shape[1]):
-            from tandem.workers.ops.gpu.moe_decode import decode_moe
-            return self._reduced(decode_moe(hidden, self.w13, self.w2,
-                                            topk_weights=topk_weights, topk_ids=topk_ids))
+            return self._decode_kernels(hidden, topk_weights=topk_weights, topk_ids=topk_ids)
         if self.dispatcher is not None:
             dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
             out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
