@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-kv-blocks", type=int, help="KV blocks per worker (16 tokens each)")
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--router-processes", type=int, metavar="N",
+                   help="`tandem router --processes N` (default: the router's own default); "
+                        "the report's router column is the CPU of all of them, in cores")
     p.add_argument("--worker-args", default="", help="extra worker flags, one shell string")
     p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--keep-logs", action="store_true", help="keep the log folder on success")
@@ -325,7 +328,9 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict:
     for layout in args.layout_list:
         stack = LocalStack(layout, model_dir, layout_workers(layout, args.device_list), log_dir,
                            worker_args=worker_args, env=env, ready_timeout_s=args.ready_timeout,
-                           router_args=["--max-model-len", str(args.max_model_len)])
+                           router_args=["--max-model-len", str(args.max_model_len)]
+                           + ([] if args.router_processes is None
+                              else ["--processes", str(args.router_processes)]))
         _log(f"{layout}: starting {stack.workers} ...")
         router = stack.start()
         phase(f"{layout}: start")

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.bench.proc_stats import process_cpu_seconds
+from tandem.bench.proc_stats import process_cpu_seconds, tree_cpu_seconds
 from tandem.stack import free_port
 
 __all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "write_tokenizer"]
@@ -207,9 +207,12 @@ class LocalStack:
         return True
 
     def router_cpu_seconds(self) -> float | None:
-        """CPU time (user + system) the router process has used so far; None off Linux."""
+        """CPU time (user + system) the router has used so far, over all its processes (a
+        `--processes` supervisor and the routers it runs); None off Linux."""
         router = next((c for c in self.children if c.name.endswith("-router")), None)
-        return None if router is None else process_cpu_seconds(router.proc.pid)
+        if router is None or process_cpu_seconds(router.proc.pid) is None:
+            return None
+        return tree_cpu_seconds(router.proc.pid)
 
 
 def _num_healthy(metrics_address: str) -> int:

@@ -115,10 +115,10 @@ def ratio(a: Goodput, b: Goodput) -> str:
     """a / b as text, marking bounds: '>=1.52x', '<=0.8x', '?' when unknown."""
     if a.value is None and b.value is None:
         return "?"
-    if a.value is None:
-        return "<" + (f"{a.failing / b.value:.2f}x" if b.value else "?")
+    if a.value is None:  # below its lowest rate, or not run at all (no bound)
+        return f"<{a.failing / b.value:.2f}x" if b.value and a.failing else "?"
     if b.value is None:
-        return ">" + (f"{a.value / b.failing:.2f}x" if b.failing else "?")
+        return f">{a.value / b.failing:.2f}x" if b.failing else "?"
     text = f"{a.value / b.value:.2f}x"
     lower, upper = a.kind == "at least", b.kind == "at least"
     if lower and upper:

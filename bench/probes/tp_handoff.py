@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--background", action="store_true",
                    help="time a stream decoding beside the handoffs (see above)")
     p.add_argument("--background-tokens", type=int, default=6000)
+    p.add_argument("--router-processes", type=int, metavar="N",
+                   help="`tandem router --processes N` (default: the router's own default)")
+    p.add_argument("--routing", help="`tandem router --routing` (default: the router's own)")
     return p.parse_args(argv)
 
 
@@ -56,6 +59,15 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     head_dim = getattr(config, "head_dim", None) or \
         config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+
+
+def router_args(args) -> list[str]:
+    flags = []
+    if args.router_processes is not None:
+        flags += ["--processes", str(args.router_processes)]
+    if args.routing is not None:
+        flags += ["--routing", args.routing]
+    return flags
 
 
 def one_request(client: TandemClient, prompt: list[int]) -> tuple[float, float, float]:
@@ -123,7 +135,8 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
                                     backend, "--load-format", "dummy", "--dtype", "bfloat16",
                                     "--no-prefix-caching", "--max-num-seqs", "8",
                                     "--max-model-len", "8192",
-                                    "--gpu-memory-utilization", "0.45"])  # the two share GPUs
+                                    "--gpu-memory-utilization", "0.45"],  # the two share GPUs
+                       router_args=router_args(args))
     rng = random.Random(7)
     rows = {}
     address = stack.start()

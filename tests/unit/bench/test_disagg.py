@@ -72,6 +72,8 @@ def test_ratio_marks_bounds():
     assert ratio(bracketed, at_least).startswith("<=")
     assert ratio(below, bracketed).startswith("<")
     assert ratio(bracketed, below).startswith(">")
+    not_run = goodput([], 1.0, 0.02)  # one layout only (--layouts)
+    assert ratio(not_run, bracketed) == ratio(bracketed, not_run) == "?"
 
 
 def test_sweep_climbs_until_a_failure_then_refines_once():
