@@ -285,8 +285,8 @@ def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tens
         num_blocks_m, hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_SIZE_M=group_size_m,
-        EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=_dot_precision(hidden.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act
 
 
