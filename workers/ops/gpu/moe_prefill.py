@@ -135,8 +135,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                                        BLOCK_P=block_p, num_warps=4)
     _offsets_kernel[(1,)](chunk_counts, chunk_starts, expert_ids, num_post_pad, num_chunks,
                           num_blocks, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
-                          BLOCK_C=max(1, 4096 // block_e), BLOCK_B=max(1, 4096 // block_e),
-                          num_warps=4)
+                          BLOCK_C=max(1, 16384 // block_e), BLOCK_B=max(1, 8192 // block_e),
+                          num_warps=8)
     _scatter_kernel[(num_chunks,)](ids, chunk_starts, sorted_ids, num_pairs, BLOCK_E=block_e,
                                    BLOCK_P=block_p, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
