@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tandem.bench.engine_limits import measure_limits, time_cuda
 from tandem.workers.ops.gpu import moe_prefill
 from tandem.workers.ops.gpu.moe_prefill import GemmConfig, PrefillConfig
-from tandem.workers.ops.moe import select_experts
-from tandem.workers.ops.moe_aiter import aiter_moe_config, align_by_expert
+from tandem.workers.ops.moe import select_experts, torch_fused_moe
+from tandem.workers.ops.moe_aiter import aiter_moe_config, aiter_triton_fused_moe, align_by_expert
 
 BF16 = torch.bfloat16
 REPS = 10
@@ -49,6 +49,15 @@ def case(args, num_tokens: int):
     logits = torch.randn(num_tokens, e, device="cuda", generator=gen)
     weights, ids = select_experts(logits, k, renormalize=True)
     return hidden, w13, w2, weights, ids
+
+
+def rel_error_against_torch(c) -> float:
+    """|new - torch| / |torch| over the first 256 tokens (the torch layer loops over experts)."""
+    hidden, w13, w2, weights, ids = c
+    rows = slice(0, 256)
+    ref = torch_fused_moe(hidden[rows], w13, w2, weights[rows], ids[rows]).float()
+    out = moe_prefill.prefill_fused_moe(hidden, w13, w2, weights, ids)[rows].float()
+    return ((out - ref).norm() / ref.norm()).item()
 
 
 def timed_parts(parts: dict, flops: dict, matmul_rate: float) -> dict:
@@ -91,6 +100,9 @@ def current_path(args, c, flops, matmul_rate) -> dict | None:
         "sum over k": lambda: down.sum(dim=1),
     }
     result = timed_parts(parts, flops, matmul_rate)
+    seconds = time_cuda(lambda: aiter_triton_fused_moe(*c), reps=REPS)
+    result["whole call"] = {"ms": seconds * 1e3,
+                            "of_matmul_rate": flops["layer"] / seconds / matmul_rate}
     result["config"] = cfg
     return result
 
@@ -186,10 +198,12 @@ def main() -> int:
         flops = {"gate_up": 2 * pair_flops, "down": pair_flops, "layer": 3 * pair_flops}
         default = moe_prefill.default_config(num_tokens, args.top_k, args.experts)
         run = {"tokens": num_tokens, "layer_GFLOP": flops["layer"] / 1e9,
+               "new_vs_torch_rel_error": rel_error_against_torch(c),
                "current": current_path(args, c, flops, matmul_rate),
                "new": new_path(args, c, flops, matmul_rate, default)}
         lines = [f"{num_tokens} tokens: layer {flops['layer'] / 1e9:.0f} GFLOP, matmul rate "
-                 f"{matmul_rate / 1e12:.0f} TFLOP/s"]
+                 f"{matmul_rate / 1e12:.0f} TFLOP/s; new path against torch: relative error "
+                 f"{run['new_vs_torch_rel_error']:.1e}"]
         lines += fmt_parts("current", run["current"]) if run["current"] else [
             "  current: skipped (amd-aiter is not installed)"]
         lines += fmt_parts("new", run["new"])

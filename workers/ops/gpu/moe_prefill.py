@@ -20,7 +20,8 @@ and token rows stay in L2 while every column block uses them.
 
 No host sync and no recompile per token count: the grids are sized on the host from an upper
 bound on the padded length (blocks past the device's padded length return at once), and token
-counts are runtime arguments, so a call also captures in a CUDA graph.
+and block counts are runtime arguments that Triton does not specialise on, so a call also
+captures in a CUDA graph.
 
 Numerics: fp32 accumulation; gate and up are rounded to the activation dtype before
 silu(gate) * up, as the unfused path stores them; each weighted expert output is rounded to the
@@ -39,7 +40,7 @@ from tandem.workers.ops.moe_aiter import check_aiter_triton_args
 
 # ---- align: the (token, slot) pairs sorted by expert ------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_E: tl.constexpr,
                         BLOCK_P: tl.constexpr):
     """chunk_counts[c, e] = how many of pairs [c * BLOCK_P, (c + 1) * BLOCK_P) chose e."""
@@ -51,7 +52,7 @@ def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_E: tl.conste
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + experts, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
 def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post_pad_ptr,
                     num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -86,7 +87,7 @@ def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post
         tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(ids_ptr, chunk_starts_ptr, sorted_ptr, num_pairs, BLOCK_E: tl.constexpr,
                     BLOCK_P: tl.constexpr):
     """sorted[chunk_starts[c, e] + r] = the id of chunk c's r-th pair that chose e."""
@@ -154,7 +155,7 @@ def _grouped_block(pid, num_blocks_m, num_blocks_n, GROUP_SIZE_M: tl.constexpr):
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
                          num_pairs, num_blocks_m, K, I, stride_x, stride_we, stride_wn,
                          stride_act, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -200,7 +201,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_
              act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < I)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
                  num_post_pad_ptr, num_pairs, num_blocks_m, K, N, stride_act, stride_we,
                  stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
