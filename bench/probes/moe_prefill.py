@@ -31,13 +31,14 @@ from tandem.workers.ops.moe_aiter import aiter_moe_config, aiter_triton_fused_mo
 BF16 = torch.bfloat16
 REPS = 10
 
-# gate_up tiles swept (block_m, block_n, num_warps, num_stages; block_k 64): 12 of the 16
-# combinations, leaving out 4-warp tiles of 128 x 128 (two 128 x 128 fp32 accumulators).
+# gate_up tiles swept (block_m, block_n, num_warps, num_stages; block_k 64; block_n columns
+# of I, so a program computes block_n gate and block_n up columns): 12 of the 16 combinations,
+# leaving out 4-warp tiles of 128 x 128 (two 128 x 128 fp32 accumulators on 128 threads).
 GATE_UP_SWEEP = [(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8),
                                                                   (3, 4))
                  if not (m == 128 and n == 128 and w == 4)]
-DOWN_SWEEP = [GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 4, 4), GemmConfig(64, 64, 4, 4),
-              GemmConfig(128, 128, 8, 3), GemmConfig(256, 64, 8, 3)]
+DOWN_SWEEP = [GemmConfig(256, 64, 8, 4), GemmConfig(256, 64, 8, 3), GemmConfig(128, 64, 8, 4),
+              GemmConfig(128, 64, 4, 4), GemmConfig(128, 128, 8, 3)]
 
 
 def case(args, num_tokens: int):

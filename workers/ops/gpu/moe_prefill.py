@@ -241,7 +241,8 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_pt
 
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
-    """One grouped GEMM's tile: BLOCK_N output columns, BLOCK_K of the reduction per step."""
+    """One grouped GEMM's tile: BLOCK_N output columns (for gate_up, BLOCK_N gate columns and
+    the BLOCK_N matching up columns), BLOCK_K of the reduction per step."""
 
     block_n: int
     block_k: int
@@ -262,13 +263,15 @@ class PrefillConfig:
 
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> PrefillConfig:
     """By the mean number of pairs per expert: blocks of rows no taller than an expert's run
-    (padding rows cost a full row of work), wider tiles once experts have hundreds of rows."""
+    (padding rows cost a full row of work), 128 x 256 output tiles (gate_up: 128 gate and 128
+    up columns) once experts have hundreds of rows. Each stage of the 128-row tiles holds
+    48 KiB of shared memory, so four stages fit a Hopper SM."""
     pairs_per_expert = num_tokens * top_k / num_experts
     if pairs_per_expert <= 32:
-        return PrefillConfig(32, GemmConfig(64, 128, 4, 4), GemmConfig(64, 128, 4, 4))
+        return PrefillConfig(32, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
     if pairs_per_expert <= 128:
-        return PrefillConfig(64, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
-    return PrefillConfig(128, GemmConfig(128, 64, 8, 3), GemmConfig(128, 64, 8, 4))
+        return PrefillConfig(64, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+    return PrefillConfig(128, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
 
 
 def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
