@@ -173,6 +173,33 @@ def test_fused_moe_module_above_the_decode_path(moe_prefill_on):
     assert rel(out, ref) <= MAX_REL
 
 
+@pytest.mark.gpu
+def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpoint):
+    """With the decode kernels off, every MoE batch of the tiny Qwen3-MoE (prefill, and decode
+    through CUDA graphs) takes these kernels (fp32 dots, no tf32): greedy tokens equal fp32
+    transformers'."""
+    from helpers.checkpoints import PARITY_LENGTHS, random_prompts
+
+    from tandem import LLM, SamplingParams
+    from tandem.workers.ops import kernel_options
+    from tandem.workers.ops.aiter_compat import aiter_available
+    from tandem.workers.ops.kernel_options import KernelOptions
+    if not aiter_available():
+        pytest.skip("amd-aiter is not installed")
+    ckpt = moe_checkpoint("qwen3_moe")
+    greedy = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    prompts = random_prompts(PARITY_LENGTHS, seed=47)
+    installed = kernel_options.current()
+    try:
+        llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+                  max_num_seqs=8, kernel_options=KernelOptions(moe_decode=False))
+        assert llm.engine.runner.graphs is not None
+        for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
+            assert out.token_ids == ckpt.greedy(prompt, 16)
+    finally:
+        kernel_options.install(installed)
+
+
 def test_bad_arguments_are_named():
     hidden, w13, w2 = torch.zeros(2, 8), torch.zeros(4, 8, 8), torch.zeros(4, 8, 4)
     weights, ids = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long)
