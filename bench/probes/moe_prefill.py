@@ -212,6 +212,11 @@ def main() -> int:
         lines += fmt_parts("current", run["current"]) if run["current"] else [
             "  current: skipped (amd-aiter is not installed)"]
         lines += fmt_parts("new", run["new"])
+        if run["current"]:
+            before, after = run["current"]["whole call"], run["new"]["whole call"]
+            lines.append(f"  whole call: current {before['ms']:.3f} ms "
+                         f"({before['of_matmul_rate']:.1%}), new {after['ms']:.3f} ms "
+                         f"({after['of_matmul_rate']:.1%}), {before['ms'] / after['ms']:.2f}x")
         if not args.no_sweep:
             # down tiles at the largest token count only: each block_m compiles them anew
             run["sweep"] = sweep(args, c, flops, matmul_rate, default,
