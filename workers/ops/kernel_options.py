@@ -13,6 +13,8 @@ Fields, each with the environment variable that gives its default:
                          (parallel/one_shot_all_reduce.py)
     moe_decode           TANDEM_MOE_DECODE=0 sends decode-sized MoE batches through AITER's
                          fused_moe too (ops/moe.py; the decode kernels are ops/gpu/moe_decode.py)
+    moe_prefill          TANDEM_MOE_PREFILL=0 sends larger MoE batches through AITER's fused_moe
+                         rather than our grouped GEMMs (ops/moe.py -> ops/gpu/moe_prefill.py)
     kernel_cache         TANDEM_KERNEL_CACHE: where our CUDA C++ kernels are built
                          (ops/gpu/cuda_build.py); empty: ~/.cache/tandem/kernels
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 SWITCHES = {"block_decode": "TANDEM_BLOCK_DECODE", "pdl": "TANDEM_PDL",
             "one_shot_all_reduce": "TANDEM_ONE_SHOT_ALL_REDUCE",
-            "moe_decode": "TANDEM_MOE_DECODE"}
+            "moe_decode": "TANDEM_MOE_DECODE", "moe_prefill": "TANDEM_MOE_PREFILL"}
 KERNEL_CACHE = "TANDEM_KERNEL_CACHE"
 
 
@@ -40,6 +42,7 @@ class KernelOptions:
     one_shot_all_reduce: bool = True
     kernel_cache: str = ""
     moe_decode: bool = True
+    moe_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in SWITCHES:

@@ -20,7 +20,9 @@ makes one `fused_moe` launch per projection. On aiter-triton, batches of at most
 `DECODE_MAX_PAIRS` (token, slot) pairs take our decode kernels instead
 (workers/ops/gpu/moe_decode.py: routing, grouping and both projections in four launches, each
 chosen expert's weights read once); `FusedMoE.forward_logits` lets softmax-routed models hand
-over the router logits so the routing joins that path.
+over the router logits so the routing joins that path. Larger batches take our prefill kernels
+(workers/ops/gpu/moe_prefill.py: the grouping in three launches, then grouped GEMMs with
+SiLU-and-mul fused into gate_up) unless the `moe_prefill` kernel option turns them off.
 """
 from __future__ import annotations
 
@@ -150,7 +152,15 @@ def torch_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
-# The aiter-triton kernel (CUDA and ROCm) lives in moe_aiter.py.
+def prefill_kernels_fused_moe(*args: object, **kwargs: object) -> torch.Tensor:
+    """moe_prefill.prefill_fused_moe (our grouped GEMMs), imported on first call: it needs
+    triton, which a CPU box may lack."""
+    from tandem.workers.ops.gpu.moe_prefill import prefill_fused_moe
+    return prefill_fused_moe(*args, **kwargs)
+
+
+# The aiter-triton kernel (CUDA and ROCm) lives in moe_aiter.py; on aiter-triton the
+# `moe_prefill` kernel option swaps in prefill_kernels_fused_moe (same contract).
 FusedMoEKernel = Callable[..., torch.Tensor]
 _KERNELS: dict[KernelBackend, FusedMoEKernel] = {KernelBackend.TORCH: torch_fused_moe,
                                                  KernelBackend.AITER_TRITON: aiter_triton_fused_moe}
@@ -200,11 +210,13 @@ class FusedMoE(nn.Module):
                 raise ValueError(f"fused_moe: kernel backend 'aiter-triton' is unavailable: "
                                  f"{e}") from e
         self.backend = backend
-        self._fused_moe = _KERNELS[self.backend]
+        options = kernel_options.current()
+        self._fused_moe = prefill_kernels_fused_moe if (
+            backend is KernelBackend.AITER_TRITON and options.moe_prefill) else _KERNELS[backend]
         # Batches of up to this many (token, slot) pairs take the decode kernels; 0: none.
         self.decode_max_pairs = DECODE_MAX_PAIRS if (
             backend is KernelBackend.AITER_TRITON and self.dispatcher is None
-            and kernel_options.current().moe_decode) else 0
+            and options.moe_decode) else 0
 
     def _init_parallel(self) -> None:
         """TP: every expert, a 1/tp slice of I (tp_rank, tp_size). EP: whole experts

@@ -103,6 +103,24 @@ def test_call_sequence_matches_torch_backend(monkeypatch):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("moe_prefill", [True, False])
+def test_moe_prefill_option_picks_the_large_batch_kernel(monkeypatch, moe_prefill):
+    """On aiter-triton, batches past the decode path run our grouped GEMMs
+    (ops/gpu/moe_prefill.py) unless the moe_prefill kernel option is off."""
+    from tandem.workers.ops import kernel_options
+    from tandem.workers.ops.kernel_options import KernelOptions
+    monkeypatch.setattr(aiter_compat, "load_aiter_triton", lambda: None)
+    installed = kernel_options.current()
+    try:
+        kernel_options.install(KernelOptions(moe_prefill=moe_prefill))
+        layer = FusedMoE(4, 16, 8, backend=KernelBackend.AITER_TRITON)
+    finally:
+        kernel_options.install(installed)
+    expected = moe.prefill_kernels_fused_moe if moe_prefill else aiter_triton_fused_moe
+    assert layer._fused_moe is expected
+    assert FusedMoE(4, 16, 8)._fused_moe is torch_fused_moe  # the torch backend never
+
+
 def test_kernels_choice_resolves_per_device(monkeypatch, caplog):
     from tandem.workers.ops import backend as backend_mod
     from tandem.workers.ops.backend import KernelBackend, resolve_backend

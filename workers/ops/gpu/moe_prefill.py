@@ -1,0 +1,353 @@
+"""Mixture-of-experts for prefill-sized batches: grouped GEMMs over the pairs sorted by expert.
+
+A layer runs as
+
+    [align]     three small launches: per-chunk expert counts, one program for the prefix
+                sums (each chunk's first slot per expert, each block's expert, the padded
+                length), then a stable scatter of the (token, slot) pair ids into sorted_ids
+    [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
+                rows of x times the gate rows and the matching up rows of the block's expert,
+                two fp32 accumulators, silu(gate) * up stored as the activation [T*k, I]
+    [down]      one program per (BLOCK_M sorted pairs, BLOCK_N of the H columns): act times
+                down, times each pair's routing weight, stored per pair [T*k, H]
+    [sum over k]  each token's k weighted expert outputs added (torch)
+
+The sorted layout is the one AITER's `fused_moe` reads (moe_aiter.align_by_expert is the
+reference): flat pair ids t * k + j, expert by expert in pair order, each expert's run padded
+to BLOCK_M with the id T * k, one expert id per block, and the padded length on the device.
+Programs walk the blocks in groups of GROUP_SIZE_M block rows so that a group's expert weights
+and token rows stay in L2 while every column block uses them.
+
+No host sync and no recompile per token count: the grids are sized on the host from an upper
+bound on the padded length (blocks past the device's padded length return at once), and token
+and block counts are runtime arguments that Triton does not specialise on, so a call also
+captures in a CUDA graph.
+
+Numerics: fp32 accumulation; gate and up are rounded to the activation dtype before
+silu(gate) * up, as the unfused path stores them; each weighted expert output is rounded to the
+activation dtype before the sum over k (as moe_aiter.py does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.workers.ops.moe_aiter import check_aiter_triton_args
+
+
+# ---- align: the (token, slot) pairs sorted by expert ------------------------------------------
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_E: tl.constexpr,
+                        BLOCK_P: tl.constexpr):
+    """chunk_counts[c, e] = how many of pairs [c * BLOCK_P, (c + 1) * BLOCK_P) chose e."""
+    chunk = tl.program_id(0)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + experts, counts)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
+def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post_pad_ptr,
+                    num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program. Each expert's run starts at the sum of the padded counts of the experts
+    before it; chunk_starts[c, e] = where chunk c's first pair of expert e goes (the run's
+    start plus the earlier chunks' pairs of e); expert_ids[b] = the expert whose padded run
+    holds block b (the last expert for blocks past the padded length)."""
+    experts = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        tile = tl.load(chunk_counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_ends = tl.cumsum(padded, axis=0)
+    tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
+    running = padded_ends - padded
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        offsets = chunks[:, None] * BLOCK_E + experts[None, :]
+        is_chunk = (chunks < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + offsets, mask=is_chunk, other=0)
+        earlier = tl.cumsum(tile, axis=0) - tile
+        tl.store(chunk_starts_ptr + offsets, running[None, :] + earlier, mask=is_chunk)
+        running += tl.sum(tile, axis=0)
+    # Experts past NUM_EXPERTS (BLOCK_E padding) end at the padded length, like the last one.
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        ended = padded_ends[None, :] <= (blocks * BLOCK_M)[:, None]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_kernel(ids_ptr, chunk_starts_ptr, sorted_ptr, num_pairs, BLOCK_E: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
+    """sorted[chunk_starts[c, e] + r] = the id of chunk c's r-th pair that chose e."""
+    chunk = tl.program_id(0)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    is_pair = pairs < num_pairs
+    ids = tl.load(ids_ptr + pairs, mask=is_pair, other=-1)
+    chose = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+    rank = tl.sum(tl.cumsum(chose, axis=0) * chose, axis=1) - 1  # earlier pairs, same expert
+    start = tl.load(chunk_starts_ptr + chunk * BLOCK_E + ids, mask=is_pair, other=0)
+    tl.store(sorted_ptr + start + rank, pairs, mask=is_pair)
+
+
+def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the padded length, known on the host: every pair, plus at most
+    block_m - 1 padding slots for each expert that can have pairs, rounded up to block_m."""
+    capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(capacity, block_m) * block_m
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_aiter.align_by_expert in three launches, equal outputs. topk_ids [T, k] ->
+      sorted_ids [P] int32: flat pair ids (t * k + j), expert by expert; padding = T * k
+      expert_ids [P / block_m] int32: the expert of each block of block_m entries
+      num_post_pad [1] int32: used length of sorted_ids (a multiple of block_m)
+    with P = padded_capacity(T * k, num_experts, block_m)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.long()
+    ids = ids.contiguous()
+    num_pairs, device = ids.numel(), ids.device
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    num_blocks = capacity // block_m
+    block_e = triton.next_power_of_2(num_experts)
+    block_p = max(16, min(256, 16384 // block_e))
+    num_chunks = triton.cdiv(num_pairs, block_p)
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return sorted_ids, expert_ids, num_post_pad.zero_()
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    chunk_starts = torch.empty_like(chunk_counts)
+    _count_chunk_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, BLOCK_E=block_e,
+                                       BLOCK_P=block_p, num_warps=4)
+    _offsets_kernel[(1,)](chunk_counts, chunk_starts, expert_ids, num_post_pad, num_chunks,
+                          num_blocks, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
+                          BLOCK_C=max(1, 16384 // block_e), BLOCK_B=max(1, 8192 // block_e),
+                          num_warps=8)
+    _scatter_kernel[(num_chunks,)](ids, chunk_starts, sorted_ids, num_pairs, BLOCK_E=block_e,
+                                   BLOCK_P=block_p, num_warps=4)
+    return sorted_ids, expert_ids, num_post_pad
+
+
+# ---- the grouped GEMMs -----------------------------------------------------------------------
+
+@triton.jit
+def _grouped_block(pid, num_blocks_m, num_blocks_n, GROUP_SIZE_M: tl.constexpr):
+    """Program pid -> (block row, column block), GROUP_SIZE_M block rows at a time, each
+    group's column blocks walked across its rows."""
+    per_group = GROUP_SIZE_M * num_blocks_n
+    first_m = (pid // per_group) * GROUP_SIZE_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_SIZE_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+                         num_pairs, num_blocks_m, K, I, stride_x, stride_we, stride_wn,
+                         stride_act, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """act[pair, n] = silu(x[pair // TOP_K] . w[e, n]) * (x[pair // TOP_K] . w[e, I + n]) for
+    one block of BLOCK_M sorted pairs (all of expert e) and BLOCK_N of the I columns."""
+    pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N),
+                                  GROUP_SIZE_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs  # padding slots hold num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+    # Columns past I read a real gate row (n mod I) and are never stored: no mask on w.
+    gate_ptrs = w_ptr + expert * stride_we + (offs_n % I)[None, :] * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=is_pair[:, None], other=0.0)
+            w_gate = tl.load(gate_ptrs)
+            w_up = tl.load(up_ptrs)
+        else:
+            in_k = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+            w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
+            w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
+        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, w_up, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pairs.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
+                 num_post_pad_ptr, num_pairs, num_blocks_m, K, N, stride_act, stride_we,
+                 stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for one block of BLOCK_M sorted pairs
+    (all of expert e) and BLOCK_N of the N (hidden) columns."""
+    pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N),
+                                  GROUP_SIZE_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_act + offs_k[None, :]
+    # Columns past N read a real row (n mod N) and are never stored: no mask on w.
+    w_ptrs = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            in_k = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    routing_weight = tl.load(weights_ptr + pairs, mask=is_pair, other=0.0)
+    y = acc * routing_weight[:, None]
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < N)[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """One grouped GEMM's tile: BLOCK_N output columns (for gate_up, BLOCK_N gate columns and
+    the BLOCK_N matching up columns), BLOCK_K of the reduction per step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Block rows of block_m sorted pairs (shared by the align and both GEMMs) and each GEMM's
+    tile."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+    group_size_m: int = 8
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> PrefillConfig:
+    """By the mean number of pairs per expert: blocks of rows no taller than an expert's run
+    (padding rows cost a full row of work), 128 x 256 output tiles (gate_up: 128 gate and 128
+    up columns) once experts have hundreds of rows. Each stage of the 128-row tiles holds
+    48 KiB of shared memory, so four stages fit a Hopper SM."""
+    pairs_per_expert = num_tokens * top_k / num_experts
+    if pairs_per_expert <= 32:
+        return PrefillConfig(32, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
+    if pairs_per_expert <= 128:
+        return PrefillConfig(64, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+    return PrefillConfig(128, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+
+
+def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
+                 expert_ids: torch.Tensor, num_post_pad: torch.Tensor, top_k: int,
+                 block_m: int, tile: GemmConfig, group_size_m: int = 8) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) of each pair's expert: hidden [T, H], w13 [E, 2I, H],
+    the align outputs for block_m -> act [T * k, I] (row t * k + j: token t's j-th expert)."""
+    num_tokens, hidden_size = hidden.shape
+    size = w13.shape[1] // 2
+    act = torch.empty(num_tokens * top_k, size, dtype=hidden.dtype, device=hidden.device)
+    num_blocks_m = expert_ids.numel()
+    grid = (num_blocks_m * triton.cdiv(size, tile.block_n),)
+    _gate_up_silu_kernel[grid](
+        hidden, w13, act, sorted_ids, expert_ids, num_post_pad, num_tokens * top_k,
+        num_blocks_m, hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_SIZE_M=group_size_m,
+        EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=_dot_precision(hidden.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return act
+
+
+def down_weighted(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                  num_post_pad: torch.Tensor, block_m: int, tile: GemmConfig,
+                  group_size_m: int = 8) -> torch.Tensor:
+    """Each pair's activation through its expert's down projection, times its routing weight:
+    act [T * k, I], w2 [E, H, I], topk_weights [T, k] -> [T * k, H]."""
+    num_pairs, size = act.shape
+    hidden_size = w2.shape[1]
+    weights = topk_weights.reshape(-1).float().contiguous()
+    out = torch.empty(num_pairs, hidden_size, dtype=act.dtype, device=act.device)
+    num_blocks_m = expert_ids.numel()
+    grid = (num_blocks_m * triton.cdiv(hidden_size, tile.block_n),)
+    _down_kernel[grid](
+        act, w2, out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_blocks_m,
+        size, hidden_size, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_SIZE_M=group_size_m, EVEN_K=size % tile.block_k == 0,
+        DOT_PRECISION=_dot_precision(act.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exact; tf32 is unused for bf16
+
+
+def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                      w13_bias: torch.Tensor | None = None,
+                      w2_bias: torch.Tensor | None = None, activation: str = "silu",
+                      config: PrefillConfig | None = None, **_: object) -> torch.Tensor:
+    """`moe.torch_fused_moe` on these kernels: align, gate_up with SiLU-and-mul, down, sum.
+
+    SiLU only, no biases (the contract of moe_aiter.aiter_triton_fused_moe, which this
+    replaces). hidden, w13 and w2 share one dtype; expert weights have contiguous rows. Any
+    token count; no host sync."""
+    check_aiter_triton_args(activation, w13_bias is not None or w2_bias is not None)
+    if not (hidden.dtype == w13.dtype == w2.dtype):
+        raise ValueError(f"prefill_fused_moe: hidden {hidden.dtype}, w13 {w13.dtype} and w2 "
+                         f"{w2.dtype} must share one dtype")
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("prefill_fused_moe needs expert weights with contiguous rows")
+    num_tokens, hidden_size = hidden.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    config = config or default_config(num_tokens, top_k, num_experts)
+    hidden = hidden.contiguous()
+    sorted_ids, expert_ids, num_post_pad = align_by_expert(topk_ids, num_experts,
+                                                           config.block_m)
+    act = gate_up_silu(hidden, w13, sorted_ids, expert_ids, num_post_pad, top_k,
+                       config.block_m, config.gate_up, config.group_size_m)
+    pair_out = down_weighted(act, w2, topk_weights, sorted_ids, expert_ids, num_post_pad,
+                             config.block_m, config.down, config.group_size_m)
+    if top_k == 1:
+        return pair_out
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
