@@ -175,9 +175,9 @@ def test_fused_moe_module_above_the_decode_path(moe_prefill_on):
 
 @pytest.mark.gpu
 def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpoint):
-    """With the decode kernels off, every MoE batch of the tiny Qwen3-MoE (prefill, and decode
-    through CUDA graphs) takes these kernels (fp32 dots, no tf32): greedy tokens equal fp32
-    transformers'."""
+    """With the decode kernels off and these on, every MoE batch of the tiny Qwen3-MoE
+    (prefill, and decode through CUDA graphs) takes these kernels (fp32 dots, no tf32): greedy
+    tokens equal fp32 transformers'."""
     from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
     from tandem import LLM, SamplingParams
@@ -192,7 +192,8 @@ def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpo
     installed = kernel_options.current()
     try:
         llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
-                  max_num_seqs=8, kernel_options=KernelOptions(moe_decode=False))
+                  max_num_seqs=8,
+                  kernel_options=KernelOptions(moe_decode=False, moe_prefill=True))
         assert llm.engine.runner.graphs is not None
         for prompt, out in zip(prompts, llm.generate(prompts, greedy)):
             assert out.token_ids == ckpt.greedy(prompt, 16)

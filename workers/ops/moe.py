@@ -20,9 +20,10 @@ makes one `fused_moe` launch per projection. On aiter-triton, batches of at most
 `DECODE_MAX_PAIRS` (token, slot) pairs take our decode kernels instead
 (workers/ops/gpu/moe_decode.py: routing, grouping and both projections in four launches, each
 chosen expert's weights read once); `FusedMoE.forward_logits` lets softmax-routed models hand
-over the router logits so the routing joins that path. Larger batches take our prefill kernels
+over the router logits so the routing joins that path. Larger batches take AITER's fused_moe,
+or, when the `moe_prefill` kernel option turns them on, our prefill kernels
 (workers/ops/gpu/moe_prefill.py: the grouping in three launches, then grouped GEMMs with
-SiLU-and-mul fused into gate_up) unless the `moe_prefill` kernel option turns them off.
+SiLU-and-mul fused into gate_up).
 """
 from __future__ import annotations
 
