@@ -123,8 +123,8 @@ def main(argv=None) -> int:
         log_dir = args.log_dir or Path(root) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         rows = [measure(args, model_dir, code, log_dir) for code in args.code]
-    print(f"\n{args.model_path or args.model}, TP={args.tp} prefill worker, {args.prompt_len}-token prompts; "
-          f"medians of {args.requests - 1} calls")
+    print(f"\n{args.model_path or args.model}, TP={args.tp} prefill worker, "
+          f"{args.prompt_len}-token prompts; medians of {args.requests - 1} calls")
     print(f"{'code':<40} {'compute ms':>11} {'call ms':>9}")
     for row in rows:
         print(f"{row['code'][-40:]:<40} {row['compute'] * 1e3:11.1f} {row['wall'] * 1e3:9.1f}")
