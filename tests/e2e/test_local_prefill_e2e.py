@@ -1,8 +1,8 @@
 """A split stack under cache-aware routing: local prefill on the decode worker that holds a
 conversation, and another decode worker for a prefilled request the first one refuses.
 
-One module-scoped stack: 1 prefill worker (2 s KV lease) and 2 decode workers, block size 4;
-decode-1 has a small cache (32 blocks) and waits at most 3 s for free blocks. The router
+One module-scoped stack: 1 prefill worker (4 s KV lease) and 2 decode workers, block size 4;
+decode-1 has a small cache (32 blocks) and waits at most 6 s for free blocks. The router
 prefills locally when a decode worker would leave at most 16 prompt tokens to compute. The
 refusal test runs last (it fills half of decode-1's cache while it runs).
 """
@@ -32,10 +32,10 @@ def stack(checkpoint, tmp_path_factory):
     stack = start_metered_stack(
         checkpoint, tmp_path_factory.mktemp("local_prefill_logs"), num_prefill=1,
         num_decode=2, worker_args=["--block-size", str(BLOCK_SIZE)],
-        role_args={"prefill": ["--kv-lease-seconds", "2"]},
+        role_args={"prefill": ["--kv-lease-seconds", "4"]},
         named_args={"decode-1": ["--num-kv-blocks", str(SMALL_CACHE_BLOCKS),
                                  "--max-model-len", str(SMALL_CACHE_BLOCKS * BLOCK_SIZE),
-                                 "--max-block-wait-seconds", "3"]},
+                                 "--max-block-wait-seconds", "6"]},
         router_args=["--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS)])
     stack.router.metrics = stack.router_metrics
     yield stack
@@ -136,7 +136,7 @@ class HangingKVSource(worker_pb2_grpc.KVTransferServicer):
 def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
     """Half of decode-1's cache is held by a pull from a hanging source (usage 0.5 adds no
     load, so decode-1 ties with decode-0); a 70-token prompt needs 18 blocks, which decode-1
-    does not have: it refuses after 3 s, longer than the prefill worker's 2 s lease, and
+    does not have: it refuses after 6 s, longer than the prefill worker's 4 s lease, and
     decode-0 pulls the KV (still pinned: the waiting worker renewed the lease) and serves."""
     prefill, small = stack.workers["prefill-0"], stack.workers["decode-1"]
     hanging = HangingKVSource()
