@@ -413,7 +413,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._await_grammar(context, seq)
         return seq
 
-
     async def _await_blocks(self, stream: asyncio.Queue, handle):
         """The stream's next event (BlocksReserved, normally) within max_block_wait_seconds;
         None when none came. Meanwhile the source's lease on the prompt's KV is renewed each
