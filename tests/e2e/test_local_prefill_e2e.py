@@ -3,8 +3,9 @@ conversation, and another decode worker for a prefilled request the first one re
 
 One module-scoped stack: 1 prefill worker (4 s KV lease) and 2 decode workers, block size 4;
 decode-1 has a small cache (32 blocks) and waits at most 6 s for free blocks. The router
-prefills locally when a decode worker would leave at most 16 prompt tokens to compute. The
-refusal test runs last (it fills half of decode-1's cache while it runs).
+prefills locally when a decode worker would leave at most 16 prompt tokens to compute; a
+second router sends to prefill-0 and decode-1 only. The refusal test runs last (it fills half
+of decode-1's cache while it runs).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from helpers.client import generate, request, router_counter, worker_load
-from helpers.processes import start_metered_stack, stop, wait_until
+from helpers.processes import (free_port, start, start_metered_stack, stop, wait_in_pool,
+                               wait_serving, wait_until)
 
 from tandem.common.convert import engine_params_to_proto
 from tandem.common.sampling_params import SamplingParams
@@ -29,8 +31,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(checkpoint, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("local_prefill_logs")
     stack = start_metered_stack(
-        checkpoint, tmp_path_factory.mktemp("local_prefill_logs"), num_prefill=1,
+        checkpoint, log_dir, num_prefill=1,
         num_decode=2, worker_args=["--block-size", str(BLOCK_SIZE)],
         role_args={"prefill": ["--kv-lease-seconds", "4"]},
         named_args={"decode-1": ["--num-kv-blocks", str(SMALL_CACHE_BLOCKS),
@@ -38,8 +41,18 @@ def stack(checkpoint, tmp_path_factory):
                                  "--max-block-wait-seconds", "6"]},
         router_args=["--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS)])
     stack.router.metrics = stack.router_metrics
-    yield stack
-    stop(stack.processes)
+    port = free_port()
+    small_only = start("router-small-only", [
+        "tandem.router.server", "--model", str(checkpoint("llama").path), "--port", str(port),
+        "--health-check-interval", "0.5", "--prefill", stack.workers["prefill-0"].address,
+        "--decode", stack.workers["decode-1"].address], port, log_dir)
+    stack.small_only_router = small_only
+    try:
+        wait_serving([small_only])
+        wait_in_pool(small_only, [stack.workers["prefill-0"], stack.workers["decode-1"]])
+        yield stack
+    finally:
+        stop([small_only, *stack.processes])
 
 
 def prompt_of(rng: random.Random, num_tokens: int) -> list[int]:
@@ -137,7 +150,9 @@ def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
     """Half of decode-1's cache is held by a pull from a hanging source (usage 0.5 adds no
     load, so decode-1 ties with decode-0); a 70-token prompt needs 18 blocks, which decode-1
     does not have: it refuses after 6 s, longer than the prefill worker's 4 s lease, and
-    decode-0 pulls the KV (still pinned: the waiting worker renewed the lease) and serves."""
+    decode-0 pulls the KV (still pinned: the waiting worker renewed the lease) and serves.
+    Through the router that has decode-1 alone, the client gets RESOURCE_EXHAUSTED and the
+    prefill worker's pin is released then (not left to its lease)."""
     prefill, small = stack.workers["prefill-0"], stack.workers["decode-1"]
     hanging = HangingKVSource()
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
@@ -170,10 +185,16 @@ def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
             assert all(len(result.token_ids) == 8 for result in results)
             assert router_counter(stack.router.metrics, "tandem:decode_refusals",
                                   worker=small.address) > refusals
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(stack.small_only_router.address,
+                         request(prompt_of(rng, 70), max_tokens=8, request_id="all-refused"),
+                         timeout=120)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             hog.cancel()
         log = stack.workers["decode-0"].log_path.read_text()
         assert "KV pull from" not in log, log[-3000:]  # no pull found the lease expired
         wait_until(lambda: worker_load(prefill.address).num_pinned == 0, 30)
+        assert "nobody pulled: all-refused" not in prefill.log_path.read_text()
         wait_until(lambda: worker_load(small.address).num_free_blocks == SMALL_CACHE_BLOCKS,
                    30)
     finally:
