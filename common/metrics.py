@@ -170,14 +170,20 @@ class RouterMetrics(_Metrics):
             "tandem:routing_reasons",
             "Routing decisions by reason: cache_hit (the worker holding most of the prompt), "
             "load_override (a worker holding more was too busy), least_loaded (nobody holds "
-            "it, or --routing least-loaded), round_robin.", ("reason", "role"))
+            "it, or --routing least-loaded), round_robin, local_prefill (a decode worker "
+            "holding nearly all of the prompt prefills it itself).", ("reason", "role"))
+        self.decode_refusals = self._counter(
+            "tandem:decode_refusals",
+            "Prefilled requests a decode worker refused (RESOURCE_EXHAUSTED: no free KV "
+            "blocks in time) and the router offered another decode worker.", ("worker",))
         self.routing_predicted_cached_tokens = self._counter(
             "tandem:routing_predicted_cached_tokens",
-            "Prompt tokens the router expected the chosen prefill (or both) worker to serve "
-            "from its prefix cache.")
+            "Prompt tokens the router expected the chosen prefill (or both, or locally "
+            "prefilling decode) worker to serve from its prefix cache.")
         self.routing_actual_cached_tokens = self._counter(
             "tandem:routing_actual_cached_tokens",
-            "Prompt tokens the prefill (or both) worker served from its prefix cache "
+            "Prompt tokens the prefill (or both, or locally prefilling decode) worker served "
+            "from its prefix cache "
             "(Complete.usage.cached_prompt_tokens), for requests the policy predicted.")
         self.kv_index_blocks = self._gauge(
             "tandem:kv_index_blocks", "Prefix-cache blocks the router's index holds for a "

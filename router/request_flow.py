@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -158,8 +158,13 @@ class RequestFlow:
 
     def _started(self):
         """The request from its prompt: disaggregated when a prefill and a decode worker are
-        available (not failed for this request), else on an aggregated worker."""
+        available (not failed for this request), unless the routing policy has a decode worker
+        that holds nearly all of the prompt prefill it itself (routing_policy.py, local
+        prefill); else on an aggregated worker."""
         if self._candidates("prefill") and self._candidates("decode"):
+            local = self._pick_local_prefill()
+            if local is not None:
+                return self._on_one_worker(local)
             return self._disaggregated()
         if self._candidates("both"):
             return self._aggregated()
@@ -212,21 +217,53 @@ class RequestFlow:
         yield [reply.token_id], [reply.logprob] if reply.HasField("logprob") else [], finish
         if finish is not None:
             return
-        decode = self._pick(attempt, "decode")
-        call = self._start_decode(decode, worker_pb2.DecodeRequest(
+        request = worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
-            generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle))
-        async with aclosing(self._relay(decode, call, self._first_token_timeout())) as relay:
-            async for item in relay:
-                yield item
+            generated_token_ids=[reply.token_id], params=params, kv_handle=reply.kv_handle)
+        # A decode worker without free blocks for the prompt refuses RESOURCE_EXHAUSTED before
+        # its first message; each other healthy decode worker gets one try (the refusing one
+        # is not failed, so it stays in the pool). The prefill worker's pin lasts meanwhile
+        # (a waiting decode worker renews its lease) and is released by the decode worker
+        # that pulls it, or by the Abort the prefill worker gets when the request ends here.
+        refused: set[tuple[str, str]] = set()
+        while True:
+            decode = self._pick(attempt, "decode", exclude=refused)
+            call = self._start_decode(decode, request)
+            num_relayed = 0
+            try:
+                async with aclosing(self._relay(decode, call,
+                                                self._first_token_timeout())) as relay:
+                    async for item in relay:
+                        num_relayed += 1
+                        yield item
+                return
+            except RequestError as error:
+                if (error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or num_relayed
+                        or not self._candidates("decode", exclude=refused | {
+                            decode.process_key})):
+                    raise
+                refused.add(decode.process_key)
+                self.metrics.decode_refusals.labels(worker=decode.address).inc()
+                logger.info("request %s: decode worker %s refused it (%s); trying another "
+                            "decode worker", self.request.request_id, decode.address,
+                            error.message)
 
     async def _aggregated(self):
+        async with aclosing(self._on_one_worker(self._pick(self.migrations.current,
+                                                           "both"))) as stream:
+            async for item in stream:
+                yield item
+
+    async def _on_one_worker(self, worker: WorkerEndpoint):
+        """The whole request on one worker: an aggregated one, or a decode worker that
+        prefills it itself (local prefill); its first message reports the prompt's cached
+        tokens."""
         attempt = self.migrations.current
-        worker = self._pick(attempt, "both")
         call = self._start_decode(worker, worker_pb2.DecodeRequest(
             request_id=attempt.request_id, prompt_token_ids=self.request.prompt_token_ids,
             params=engine_params_to_proto(self.request.params)))
-        async with aclosing(self._relay(worker, call, self._first_token_timeout())) as relay:
+        async with aclosing(self._relay(worker, call, self._first_token_timeout(),
+                                        is_prompt_worker=True)) as relay:
             async for item in relay:
                 yield item
 
@@ -256,9 +293,10 @@ class RequestFlow:
             worker.stub, request, None if remaining is None else max(remaining, 1e-3))
 
     async def _relay(self, worker: WorkerEndpoint, receiver: DecodeReceiver,
-                     first_token_timeout: float | None):
+                     first_token_timeout: float | None, is_prompt_worker: bool = False):
         """(token_ids, logprobs, finish_reason) per read of the request's decode updates:
-        the tokens of every message that arrived since the previous read."""
+        the tokens of every message that arrived since the previous read. is_prompt_worker:
+        the worker computes the prompt (no KV pulled): its cached tokens are the request's."""
         worker.num_in_flight += 1
         # Its first message follows the KV pull or the whole prompt: the first-token allowance;
         # every later one a single decode step.
@@ -273,7 +311,7 @@ class RequestFlow:
                                         f"{worker.role} worker {worker.address} ended the "
                                         "stream without finishing the request")
                 if watchdog.is_first:
-                    if worker.role == "both" and not self.output.token_ids:
+                    if is_prompt_worker:
                         self.num_cached_tokens = messages[0].num_cached_tokens
                     watchdog.is_first = False
                     watchdog.seconds = self.stall.token_gap_timeout
@@ -292,18 +330,33 @@ class RequestFlow:
             worker.num_in_flight -= 1
             receiver.close()
 
-    def _candidates(self, *roles: str) -> list[WorkerEndpoint]:
-        """Healthy workers of these roles that have not failed this request."""
+    def _candidates(self, *roles: str, exclude: Collection[tuple[str, str]] = ()
+                    ) -> list[WorkerEndpoint]:
+        """Healthy workers of these roles that have not failed this request (nor are in
+        `exclude`, process keys)."""
         failed = self.migrations.failed_workers
         return [w for role in roles for w in self.pool.healthy(role)
-                if w.process_key not in failed]
+                if w.process_key not in failed and w.process_key not in exclude]
 
-    def _pick(self, attempt: Attempt, *roles: str) -> WorkerEndpoint:
-        worker = self.pool.pick(*roles, exclude=self.migrations.failed_workers,
+    def _pick(self, attempt: Attempt, *roles: str,
+              exclude: Collection[tuple[str, str]] = ()) -> WorkerEndpoint:
+        worker = self.pool.pick(*roles, exclude=self.migrations.failed_workers | set(exclude),
                                 prompt_token_ids=self.request.prompt_token_ids,
                                 note=self.routing_note)
         if worker is None:
             raise self._no_worker(f"no healthy {' or '.join(roles)} worker")
+        return self._routed(attempt, worker)
+
+    def _pick_local_prefill(self) -> WorkerEndpoint | None:
+        """The decode worker that prefills the request itself, if the policy has one."""
+        policy = self.pool.policy
+        if policy is None:
+            return None
+        worker = policy.pick_local_prefill(self._candidates("decode"),
+                                           self.request.prompt_token_ids, self.routing_note)
+        return None if worker is None else self._routed(self.migrations.current, worker)
+
+    def _routed(self, attempt: Attempt, worker: WorkerEndpoint) -> WorkerEndpoint:
         attempt.workers.append(worker)
         self.metrics.routing_decisions.labels(worker=worker.address, role=worker.role).inc()
         return worker

@@ -24,6 +24,17 @@ and hands a prefix over once a worker's queue runs ahead by about 8 requests.
 
 Prefill and aggregated (both) workers are scored by the prompt's prefix (what they would not
 recompute); decode workers too, since the blocks a decode worker holds are not pulled.
+
+Local prefill (conditional disaggregation): on a split stack a decode worker holds a
+conversation's whole history, the replies it computed included, while a prefill worker never
+holds a reply. So before the prefill tier is asked, the decode pick is scored as above; when the
+decode worker it chooses would leave at most `local_prefill_max_tokens` prompt tokens
+uncomputed, that worker prefills the request itself (reason `local_prefill`, counted as the
+request's prompt tier) and nothing is pulled. The default, 256 tokens, keeps such a prefill
+about one engine step long: on a GPU a chunk of a few hundred tokens is bound by reading the
+weights, as a decode step is, so the decode worker's other streams wait about one step for it;
+a longer uncached part goes to the prefill tier, which exists to keep long prefills off the
+decode workers. 0 turns local prefill off.
 """
 from __future__ import annotations
 
@@ -37,13 +48,15 @@ from tandem.router.kv_index import KVEventFeed, KVIndex
 
 ROUTING_POLICIES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_CACHE_WEIGHT = 8.0
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 256
 # Tiers whose cached prompt tokens Complete.usage.cached_prompt_tokens reports.
 _PROMPT_TIERS = ("prefill", "both")
 
 
 @dataclass
 class RoutingNote:
-    """What the policy predicted for a request's prompt tier (prefill or both worker)."""
+    """What the policy predicted for a request's prompt tier (the prefill or both worker, or
+    the decode worker that prefills the request itself)."""
 
     predicted_cached_tokens: int = 0
     reason: str = ""
@@ -54,14 +67,19 @@ class RoutingNote:
 
 class RoutingPolicy:
     def __init__(self, policy: str = "cache-aware", cache_weight: float = DEFAULT_CACHE_WEIGHT,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None,
+                 local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy {policy!r} is not one of "
                              f"{', '.join(ROUTING_POLICIES)}")
         if not cache_weight >= 0:
             raise ValueError(f"cache_weight must be >= 0, got {cache_weight}")
+        if local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got "
+                             f"{local_prefill_max_tokens}")
         self.policy = policy
         self.cache_weight = cache_weight
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.metrics = metrics
         self.index = KVIndex()
         self.feed = KVEventFeed(self.index, metrics)
@@ -101,6 +119,25 @@ class RoutingPolicy:
         # load_override: a worker holding more of the prompt was too busy.
         reason = "cache_hit" if cached[position] == most else "load_override"
         return self._decided(candidates[position], reason, cached[position], note)
+
+    def pick_local_prefill(self, candidates: list, prompt_token_ids: Sequence[int],
+                           note: RoutingNote | None = None):
+        """The decode worker (among healthy `candidates`) that prefills the request itself, or
+        None (nothing recorded): cache-aware only, the worker the decode pick would choose, and
+        only when its cached prefix leaves at most local_prefill_max_tokens to compute."""
+        if (self.policy != "cache-aware" or not self.local_prefill_max_tokens or not candidates
+                or not prompt_token_ids):
+            return None
+        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
+        if max(cached) == 0:
+            return None
+        costs = _costs(candidates, cached, self.cache_weight / len(prompt_token_ids))
+        position = self._lowest(candidates, costs)
+        num_cached = cached[position]
+        if not num_cached or len(prompt_token_ids) - num_cached > self.local_prefill_max_tokens:
+            return None
+        return self._decided(candidates[position], "local_prefill", num_cached, note,
+                             is_prompt_tier=True)
 
     def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
                                 note: RoutingNote | None = None) -> list[int]:
@@ -146,7 +183,8 @@ class RoutingPolicy:
                     chosen, chosen_pick = position, picked
         return chosen
 
-    def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None):
+    def _decided(self, worker, reason: str, predicted_tokens: int, note: RoutingNote | None,
+                 is_prompt_tier: bool = False):
         self._last_picked[worker.address] = next(self._picks)
         if self.metrics is not None:
             counter = self._reason_counters.get((reason, worker.role))
@@ -154,7 +192,7 @@ class RoutingPolicy:
                 counter = self._reason_counters[reason, worker.role] = \
                     self.metrics.routing_reasons.labels(reason=reason, role=worker.role)
             counter.inc()
-        if note is not None and worker.role in _PROMPT_TIERS:
+        if note is not None and (is_prompt_tier or worker.role in _PROMPT_TIERS):
             note.predicted_cached_tokens = predicted_tokens
             note.reason = reason
         return worker
@@ -193,3 +231,12 @@ def add_routing_flags(parser) -> None:
                         help="cache-aware: how many more requests (running + waiting) a "
                              "worker holding the whole prompt may have than one holding none "
                              "and still be chosen (default %(default)s)")
+    parser.add_argument("--local-prefill-max-tokens", type=int,
+                        default=DEFAULT_LOCAL_PREFILL_MAX_TOKENS, metavar="N",
+                        help="cache-aware, split stacks: a decode worker holding all but at "
+                             "most N tokens of a prompt prefills it itself, and nothing is "
+                             "pulled (a conversation's next turn: the decode worker holds the "
+                             "replies, the prefill tier does not). The default keeps such a "
+                             "prefill about one step long, which is what the decode worker's "
+                             "other streams wait for it; 0 turns it off (default "
+                             "%(default)s)")

@@ -150,7 +150,8 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = RouterMetrics(frontend.limits.name)
     pool = WorkerPool(args.prefill, args.decode, args.both, health_policy, tls, metrics,
                       internal_token)
-    routing = RoutingPolicy(args.routing, args.cache_weight, metrics)
+    routing = RoutingPolicy(args.routing, args.cache_weight, metrics,
+                            args.local_prefill_max_tokens)
     routing.attach(pool)
     await pool.start()
     servicer = GenerateServicer(frontend, pool,

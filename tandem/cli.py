@@ -32,9 +32,10 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
                 ("--async-scheduling", "switch"), ("--no-async-scheduling", "switch"),
                 ("--load-format", str), ("--max-step-stall-seconds", float),
-                ("--kv-pull-failure", str)]
+                ("--kv-pull-failure", str), ("--max-block-wait-seconds", float)]
 ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int),
-                ("--migration-limit", int), ("--routing", str), ("--cache-weight", float)]
+                ("--migration-limit", int), ("--routing", str), ("--cache-weight", float),
+                ("--local-prefill-max-tokens", int)]
 # `tandem up` security flags: TLS goes to every process, the public token to the router.
 TLS_FLAGS = [("--tls-cert", str), ("--tls-key", str), ("--tls-ca", str),
              ("--tls-server-name", str)]

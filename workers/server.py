@@ -38,8 +38,8 @@ from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 from tandem.workers.ops.kernel_options import KernelOptions
 from tandem.workers.ops.jit_compiles import JitCompileWatch
 from tandem.workers.kv_transfer_service import KVTransferServicer
-from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, ROLES, PeerChannels,
-                                      WorkerServicer)
+from tandem.workers.servicer import (KV_PULL_FAILURE_POLICIES, MAX_BLOCK_WAIT_SECONDS, ROLES,
+                                     PeerChannels, WorkerServicer)
 
 logger = get_logger("tandem.worker")
 SERVICE_NAMES = (worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "is gone, the lease expired, the transfer failed or timed out): "
                         "recompute the prompt here and continue the stream, or fail the "
                         "call UNAVAILABLE (the router then migrates it)")
+    p.add_argument("--max-block-wait-seconds", type=float, default=MAX_BLOCK_WAIT_SECONDS,
+                   help="decode: how long a prefilled request waits for free KV blocks to "
+                        "receive its prompt's KV before RESOURCE_EXHAUSTED (the router then "
+                        "tries another decode worker); the prefill worker's pin is renewed "
+                        "meanwhile (default %(default)s)")
     p.add_argument("--max-step-stall-seconds", type=float, default=300.0,
                    help="health turns NOT_SERVING while one engine step or command has run "
                         "this long (or the engine thread died). A step is at most one "
@@ -232,7 +237,8 @@ async def _serve_engine(args: argparse.Namespace, async_engine: AsyncEngine,
         cuda_ipc_endpoint=kv.cuda_ipc_exporter.endpoint if kv.cuda_ipc_exporter else None,
         nixl_endpoint=kv.nixl_agent.endpoint if kv.nixl_agent else None,
         connector_endpoints={name: c.endpoint for name, c in kv.connectors.items()},
-        kv_pull_failure=args.kv_pull_failure)
+        kv_pull_failure=args.kv_pull_failure,
+        max_block_wait_seconds=args.max_block_wait_seconds)
     worker_pb2_grpc.add_WorkerServicer_to_server(worker_servicer, server)
     worker_pb2_grpc.add_KVTransferServicer_to_server(
         KVTransferServicer(async_engine, layout, kv.blocks, kv.cuda_ipc_exporter,

@@ -32,7 +32,8 @@ from tandem.workers.decode_stream import DecodeStreamSession
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
-from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
+from tandem.workers.kv_transfer_service import (KVPeerClient, pull_kv, release_kv,
+                                                renew_kv_lease)
 from tandem.workers.kv_events import KVEventPublisher
 
 logger = get_logger(__name__)
@@ -40,8 +41,11 @@ ROLES = ("prefill", "decode", "both")
 # What a decode worker does when it cannot pull a prompt's KV: compute it locally and go on,
 # or fail the call UNAVAILABLE.
 KV_PULL_FAILURE_POLICIES = ("recompute", "fail")
-# How long a decode request waits for free KV blocks before RESOURCE_EXHAUSTED.
+# How long a decode request waits for free KV blocks before RESOURCE_EXHAUSTED (default).
 MAX_BLOCK_WAIT_SECONDS = 30.0
+# While it waits, the source's lease on the prompt's KV is renewed each time half of it passed,
+# but not more often than this.
+MIN_LEASE_RENEWAL_SECONDS = 0.5
 
 
 class PeerChannels:
@@ -72,7 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                  cuda_ipc_endpoint: CudaIpcEndpoint | None = None,
                  nixl_endpoint: NixlEndpoint | None = None,
                  connector_endpoints: dict[str, ConnectorEndpoint] | None = None,
-                 kv_pull_failure: str = "recompute") -> None:
+                 kv_pull_failure: str = "recompute",
+                 max_block_wait_seconds: float = MAX_BLOCK_WAIT_SECONDS) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLES)}")
         if kv_pull_failure not in KV_PULL_FAILURE_POLICIES:
@@ -92,6 +97,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.nixl_endpoint = nixl_endpoint  # set when kv_transports include "nixl"
         self.connector_endpoints = connector_endpoints or {}  # connector backends offered
         self.kv_pull_failure = kv_pull_failure
+        if not max_block_wait_seconds > 0:
+            raise ValueError(f"max_block_wait_seconds={max_block_wait_seconds} must be > 0")
+        self.max_block_wait_seconds = max_block_wait_seconds
         self.instance_id = uuid.uuid4().hex  # new for every process: a restart is told apart
         self._tasks: dict[str, asyncio.Task] = {}
         self._releases: set[asyncio.Task] = set()  # ReleaseKV calls in flight
@@ -327,7 +335,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except KVLayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         seq = await self._reserve(context, stream, prompt, generated, params,
-                                  request.request_id)
+                                  request.request_id, handle)
         start_block = seq.num_cached_tokens // self.layout.block_size
         block_ids = seq.block_table[start_block:handle.num_blocks]
         channel = self.peers.get(handle.source_address)
@@ -380,10 +388,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._queue_request(context, self.engine.abort_and_resume(
             prompt, generated, params, request_id, deadline=_deadline(context)))
 
-    async def _reserve(self, context, stream, prompt, generated, params, request_id):
+    async def _reserve(self, context, stream, prompt, generated, params, request_id, handle):
         """Queue the request for blocks to receive its KV into (WAITING_FOR_REMOTE_KVS) and
         wait until the engine reserved them (and a constrained request's grammar compiled);
-        RESOURCE_EXHAUSTED after MAX_BLOCK_WAIT_SECONDS (the request leaves the queue)."""
+        RESOURCE_EXHAUSTED after max_block_wait_seconds (the request leaves the queue; the
+        source keeps the KV pinned for another decode worker, which the router may try)."""
         try:
             seq = await self.engine.queue_prefilled(prompt, generated, params, request_id,
                                                     deadline=_deadline(context))
@@ -391,19 +400,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         except ValueError as exc:  # a structured_output grammar known not to compile
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            event = await asyncio.wait_for(stream.get(), MAX_BLOCK_WAIT_SECONDS)
-        except TimeoutError:
+        event = await self._await_blocks(stream, handle)
+        if event is None:
             self._abort_soon(request_id)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no free KV blocks for {len(prompt)} tokens within "
-                                f"{MAX_BLOCK_WAIT_SECONDS:.0f} s")
+                                f"{self.max_block_wait_seconds:g} s")
         if isinstance(event, EngineFailure):
             await context.abort(grpc.StatusCode.INTERNAL, event.message)
         if not isinstance(event, BlocksReserved):
             raise RuntimeError(f"request {request_id}: expected its blocks, got {event!r}")
         await self._await_grammar(context, seq)
         return seq
+
+    async def _await_blocks(self, stream: asyncio.Queue, handle):
+        """The stream's next event (BlocksReserved, normally) within max_block_wait_seconds;
+        None when none came. Meanwhile the source's lease on the prompt's KV is renewed each
+        time half of it has passed, so the KV stays pinned through a wait as long as the lease,
+        and for another decode worker after a refusal."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_block_wait_seconds
+        renew_in = max(MIN_LEASE_RENEWAL_SECONDS, (handle.lease_expires_at - time.time()) / 2)
+        while (left := deadline - loop.time()) > 0:
+            try:
+                return await asyncio.wait_for(stream.get(), min(left, renew_in))
+            except asyncio.TimeoutError:
+                if loop.time() >= deadline:
+                    return None
+            lease_seconds = await renew_kv_lease(self.peers.get(handle.source_address),
+                                                 handle.handle_id)
+            renew_in = (left if lease_seconds is None
+                        else max(MIN_LEASE_RENEWAL_SECONDS, lease_seconds / 2))
+        return None
 
 
 def _deadline(context) -> float | None:

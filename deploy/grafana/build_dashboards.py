@@ -287,13 +287,14 @@ def overview_grid() -> Grid:
     g.add(timeseries(
         "Routing decisions by reason", "cache_hit: the worker holding most of the prompt; "
         "load_override: a worker holding more was too busy; least_loaded: nobody held it (or "
-        "--routing least-loaded); round_robin.",
+        "--routing least-loaded); round_robin; local_prefill: a decode worker holding nearly "
+        "all of the prompt prefilled it itself (it is then the request's prompt tier).",
         [(f"sum by (role, reason) (rate(tandem:routing_reasons_total{health}[{RATE}]))",
           "{{role}} {{reason}}")], "reqps", stack=True), w=6)
     g.add(timeseries(
         "Cached prompt tokens: predicted vs actual", "Per second, for the prompt tier "
-        "(prefill or both): what the router's index predicted, and what the workers served "
-        "from cache.",
+        "(prefill or both, or a decode worker prefilling locally): what the router's index "
+        "predicted, and what the workers served from cache.",
         [(f"sum(rate(tandem:routing_predicted_cached_tokens_total{health}[{RATE}]))",
           "predicted"),
          (f"sum(rate(tandem:routing_actual_cached_tokens_total{health}[{RATE}]))",

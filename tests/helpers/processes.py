@@ -110,13 +110,17 @@ class Stack:
 def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: int = 1,
                 num_both: int = 0, worker_args: list[str] = (),
                 router_args: list[str] = (), role_args: dict[str, list[str]] | None = None,
-                num_late_decode: int = 0) -> Stack:
+                num_late_decode: int = 0,
+                named_args: dict[str, list[str]] | None = None) -> Stack:
     """Workers and the router start together (the router loads its tokenizer while the
     workers load the model); returns once every process reports SERVING and the router has
     every worker in its pool, so requests spread over all of them from the first one.
     worker_args go to every worker, role_args[role] (e.g. {"decode": ["--device", "cuda:1"]})
-    after them to that role's workers only. num_late_decode: more decode workers, started with
-    the others but unknown to the router (its decode targets are a file) until `admit_late`."""
+    after them to that role's workers only, named_args[name] (e.g. {"decode-1": [...]}) last to
+    that one worker. num_late_decode: more decode workers, started with the others but unknown
+    to the router (its decode targets are a file) until `admit_late`. The router's local
+    prefill (a decode worker prefilling a prompt it mostly holds) is off unless router_args
+    turn it on: these stacks are for the prefill -> decode handoff."""
     workers: dict[str, Process] = {}
     roles = [("prefill", num_prefill), ("decode", num_decode), ("both", num_both)]
     # As `tandem up`: workers on one GPU share it (worker_args may override; CPU ignores it).
@@ -128,7 +132,8 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
             name = f"{role}-{i}"
             workers[name] = start(name, ["tandem.workers.server", "--role", role, "--model",
                                          str(model), "--port", str(port), "--dtype", "float32",
-                                         *share, *worker_args, *(role_args or {}).get(role, [])],
+                                         *share, *worker_args, *(role_args or {}).get(role, []),
+                                         *(named_args or {}).get(name, [])],
                                  port, log_dir)
             if i < count:
                 by_role[role].append(workers[name].address)
@@ -141,7 +146,8 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     port = free_port()
     # One router process unless router_args say otherwise (the default follows the cores).
     router_cmd = ["tandem.router.server", "--model", str(model), "--port", str(port),
-                  "--health-check-interval", "0.5", "--processes", "1", *router_args]
+                  "--health-check-interval", "0.5", "--processes", "1",
+                  "--local-prefill-max-tokens", "0", *router_args]
     for role, addresses in by_role.items():
         if addresses:
             router_cmd += [f"--{role}", ",".join(addresses)]

@@ -291,12 +291,16 @@ def test_up_passes_the_routing_flags_to_the_router():
     from tandem.router.server import build_parser as router_parser
 
     args = cli.build_parser().parse_args(["up", "--routing", "least-loaded",
-                                          "--cache-weight", "2.5"])
+                                          "--cache-weight", "2.5",
+                                          "--local-prefill-max-tokens", "0"])
     flags = cli._passed_flags(args, cli.ROUTER_FLAGS)
-    assert flags == ["--routing", "least-loaded", "--cache-weight", "2.5"]
+    assert flags == ["--routing", "least-loaded", "--cache-weight", "2.5",
+                     "--local-prefill-max-tokens", "0"]
     router = router_parser().parse_args(["--model", "/m", *flags])
-    assert (router.routing, router.cache_weight) == ("least-loaded", 2.5)
-    assert router_parser().parse_args(["--model", "/m"]).routing == "cache-aware"
+    assert (router.routing, router.cache_weight, router.local_prefill_max_tokens) == (
+        "least-loaded", 2.5, 0)
+    defaults = router_parser().parse_args(["--model", "/m"])
+    assert (defaults.routing, defaults.local_prefill_max_tokens) == ("cache-aware", 256)
 
 
 def test_up_splits_gpu_memory_utilization_among_its_workers_and_refuses_bad_fractions(

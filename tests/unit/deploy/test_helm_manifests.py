@@ -193,6 +193,8 @@ def test_reliability_flags_only_when_set(rendered):
             "least-loaded" if tp2 else None), name
         assert flag_value(main_container(router)["args"], "--cache-weight") == (
             "4" if tp2 else None), name
+        assert flag_value(main_container(router)["args"], "--local-prefill-max-tokens") == (
+            "512" if tp2 else None), name
         for sts in of_kind(docs, "StatefulSet"):
             args = main_container(sts)["args"]
             is_set = tp2 and flag_value(args, "--role") == "decode"

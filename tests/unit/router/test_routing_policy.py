@@ -246,8 +246,41 @@ def test_decisions_are_counted_by_reason_and_role():
     assert count("least_loaded", "prefill") == 1 and count("cache_hit", "decode") == 0
 
 
+def test_a_decode_worker_holding_all_but_a_few_tokens_prefills_locally():
+    metrics = RouterMetrics("m", CollectorRegistry())
+    policy = RoutingPolicy("cache-aware", metrics=metrics, local_prefill_max_tokens=8)
+    holder, other = Worker("holder", role="decode"), Worker("other", role="decode")
+    hold(policy, holder, PROMPT[:36])  # 9 of the 10 blocks to look up: 5 tokens to compute
+    note = RoutingNote()
+    assert policy.pick_local_prefill([holder, other], PROMPT, note) is holder
+    # The decode worker is the prompt tier: its cached tokens are the request's.
+    assert note.reason == "local_prefill" and note.predicted_cached_tokens == 36
+    assert metrics.registry.get_sample_value(
+        "tandem:routing_reasons_total", {"model": "m", "tier": "router",
+                                         "reason": "local_prefill", "role": "decode"}) == 1
+    longer = PROMPT + list(range(500, 504))  # 9 tokens to compute: the prefill tier's
+    assert policy.pick_local_prefill([holder, other], longer, RoutingNote()) is None
+    holder.num_in_flight = 9  # the decode pick would take the other: no local prefill
+    assert policy.pick_local_prefill([holder, other], PROMPT, RoutingNote()) is None
+
+
+@pytest.mark.parametrize("policy", [RoutingPolicy("least-loaded"), RoutingPolicy("round-robin"),
+                                    RoutingPolicy("cache-aware", local_prefill_max_tokens=0)])
+def test_local_prefill_needs_the_index_and_a_limit(policy):
+    holder = Worker("holder", role="decode")
+    hold(policy, holder, PROMPT)
+    assert policy.pick_local_prefill([holder], PROMPT, RoutingNote()) is None
+
+
+def test_nobody_holding_the_prompt_means_no_local_prefill():
+    policy = RoutingPolicy("cache-aware")
+    assert policy.pick_local_prefill([Worker("d", role="decode")], PROMPT[:5]) is None
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="not one of"):
         RoutingPolicy("random")
     with pytest.raises(ValueError, match="cache_weight"):
         RoutingPolicy(cache_weight=-1)
+    with pytest.raises(ValueError, match="local_prefill_max_tokens"):
+        RoutingPolicy(local_prefill_max_tokens=-1)
