@@ -26,6 +26,14 @@ def aiter_moe_config(num_tokens: int, top_k: int, num_experts: int) -> dict[str,
                 num_warps=8, num_stages=3)
 
 
+def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the padded length of the pairs sorted by expert, known on the host:
+    every pair, plus at most block_m - 1 padding slots for each expert that can have pairs,
+    rounded up to block_m."""
+    capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return (capacity + block_m - 1) // block_m * block_m
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by expert, each expert's run padded to block_m, as
@@ -33,9 +41,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
       sorted_ids [P] int32: flat slot ids (t * k + j), expert by expert; padding = T * k
       expert_ids [P / block_m] int32: the expert of each block of block_m entries
       num_post_pad [1] int32: used length of sorted_ids (a multiple of block_m)
-    P is an upper bound computed on the host, so nothing here waits for the device. Plain torch
-    (stable sort): unlike AITER's moe_align_block_size_triton, no kernel is recompiled for
-    each new token count.
+    P = padded_capacity(T * k, num_experts, block_m), so nothing here waits for the device.
+    Plain torch (stable sort): unlike AITER's moe_align_block_size_triton, no kernel is
+    recompiled for each new token count.
     """
     flat = topk_ids.reshape(-1).long()
     num_slots = flat.numel()
@@ -49,8 +57,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, in slot order
     expert_of = flat[order]
     rank = torch.arange(num_slots, device=device) - count_starts[expert_of]
-    capacity = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    capacity = (capacity + block_m - 1) // block_m * block_m
+    capacity = padded_capacity(num_slots, num_experts, block_m)
     sorted_ids = torch.full((capacity,), num_slots, dtype=torch.int32, device=device)
     sorted_ids[padded_starts[expert_of] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, capacity, block_m, device=device)

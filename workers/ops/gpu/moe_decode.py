@@ -162,6 +162,12 @@ def _sum_slots_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_TOPK: tl.con
              tl.sum(y.to(tl.float32), 0).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision for the expert GEMMs: exact fp32 (tests compare fp32 against
+    torch); tf32 is unused for bf16 / fp16 inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def default_config(num_pairs: int) -> dict[str, int]:
     """Block sizes and warps for the two expert kernels: the best of
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
@@ -231,7 +237,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_pairs)
     block_p = triton.next_power_of_2(num_pairs)
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    precision = dot_precision(hidden.dtype)
     device = hidden.device
     sorted_ids = torch.empty(num_experts * num_pairs, dtype=torch.int32, device=device)
     act = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.workers.ops.moe_aiter import check_aiter_triton_args
+from tandem.workers.ops.gpu.moe_decode import dot_precision
+from tandem.workers.ops.moe_aiter import check_aiter_triton_args, padded_capacity
 
 
 # ---- align: the (token, slot) pairs sorted by expert ------------------------------------------
@@ -99,13 +100,6 @@ def _scatter_kernel(ids_ptr, chunk_starts_ptr, sorted_ptr, num_pairs, BLOCK_E: t
     rank = tl.sum(tl.cumsum(chose, axis=0) * chose, axis=1) - 1  # earlier pairs, same expert
     start = tl.load(chunk_starts_ptr + chunk * BLOCK_E + ids, mask=is_pair, other=0)
     tl.store(sorted_ptr + start + rank, pairs, mask=is_pair)
-
-
-def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """An upper bound on the padded length, known on the host: every pair, plus at most
-    block_m - 1 padding slots for each expert that can have pairs, rounded up to block_m."""
-    capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(capacity, block_m) * block_m
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -289,7 +283,7 @@ def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tens
         num_blocks_m, hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_SIZE_M=group_size_m,
-        EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=_dot_precision(hidden.dtype),
+        EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act
 
@@ -311,13 +305,9 @@ def down_weighted(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
         size, hidden_size, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_SIZE_M=group_size_m, EVEN_K=size % tile.block_k == 0,
-        DOT_PRECISION=_dot_precision(act.dtype),
+        DOT_PRECISION=dot_precision(act.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 exact; tf32 is unused for bf16
 
 
 def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
