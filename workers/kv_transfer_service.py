@@ -148,19 +148,6 @@ async def release_kv(channel: grpc.aio.Channel, handle_id: str, timeout: float =
         return False
 
 
-async def renew_kv_lease(channel: grpc.aio.Channel, handle_id: str,
-                         timeout: float = 5.0) -> float | None:
-    """LeaseKV on the source: the renewed lease's seconds, None when the handle is gone (its
-    lease expired, the source restarted) or the call failed."""
-    try:
-        response = await worker_pb2_grpc.KVTransferStub(channel).LeaseKV(
-            worker_pb2.LeaseKVRequest(handle_id=handle_id), timeout=timeout)
-        return response.lease_seconds
-    except grpc.aio.AioRpcError as exc:
-        logger.warning("LeaseKV %s failed: %s", handle_id, exc.code().name)
-        return None
-
-
 class KVPeerClient:
     """A source worker's KVTransfer service as the decode side's KV receiver calls it: the
     answers come back as Tandem's own types. `layout` is the receiver's, sent as the layout it

@@ -32,8 +32,7 @@ from tandem.workers.decode_stream import DecodeStreamSession
 from tandem.workers.engine.sequence import Sequence
 from tandem.workers.kv.block_access import KVBlockAccess
 from tandem.workers.kv.transport import KVTransferFailed, KVTransportUnavailable
-from tandem.workers.kv_transfer_service import (KVPeerClient, pull_kv, release_kv,
-                                                renew_kv_lease)
+from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv, release_kv
 from tandem.workers.kv_events import KVEventPublisher
 
 logger = get_logger(__name__)
@@ -46,6 +45,7 @@ MAX_BLOCK_WAIT_SECONDS = 30.0
 # While it waits, the source's lease on the prompt's KV is renewed each time half of it passed,
 # but not more often than this.
 MIN_LEASE_RENEWAL_SECONDS = 0.5
+LEASE_RENEWAL_TIMEOUT_SECONDS = 5.0
 
 
 class PeerChannels:
@@ -427,11 +427,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except asyncio.TimeoutError:
                 if loop.time() >= deadline:
                     return None
-            lease_seconds = await renew_kv_lease(self.peers.get(handle.source_address),
-                                                 handle.handle_id)
+            lease_seconds = await self._renew_lease(handle)
             renew_in = (left if lease_seconds is None
                         else max(MIN_LEASE_RENEWAL_SECONDS, lease_seconds / 2))
         return None
+
+    async def _renew_lease(self, handle) -> float | None:
+        """LeaseKV on the source: the renewed lease's seconds, None when the handle is gone
+        (its lease expired, the source restarted) or the call failed."""
+        source = KVPeerClient(self.peers.get(handle.source_address), self.layout)
+        try:
+            return (await source.lease(handle.handle_id, 0, LEASE_RENEWAL_TIMEOUT_SECONDS)
+                    ).lease_seconds
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("LeaseKV %s failed: %s", handle.handle_id, exc.code().name)
+            return None
 
 
 def _deadline(context) -> float | None:
