@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import threading
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from helpers.client import generate, worker_load
 from helpers.client import request as client_request
+from helpers.hanging_kv_source import hanging_kv_source
 from helpers.processes import free_port, start, start_stack, stop, wait_serving, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -151,17 +151,6 @@ def test_with_kv_pull_failure_fail_a_dead_source_ends_unavailable(workers):
     assert_idle(decode_address)
 
 
-class HangingKVSource(worker_pb2_grpc.KVTransferServicer):
-    """A KV source whose pulls hang until `release` is set: a decode worker pulling from it
-    holds the blocks it reserved for that pull."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    def PullKV(self, request, context):  # noqa: N802 (gRPC's naming)
-        self.release.wait(120)
-        context.abort(grpc.StatusCode.UNAVAILABLE, "hanging source released")
-
 
 @pytest.mark.slow
 def test_through_the_router_a_prefill_worker_killed_before_the_pull_costs_nothing(
@@ -173,50 +162,44 @@ def test_through_the_router_a_prefill_worker_killed_before_the_pull_costs_nothin
     migration."""
     stack = start_stack(checkpoint("llama").path, tmp_path, role_args={
         "decode": ["--num-kv-blocks", "8", "--max-model-len", "128"]})
-    hanging = HangingKVSource()
-    server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    worker_pb2_grpc.add_KVTransferServicer_to_server(hanging, server)
-    hanging_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     try:
-        prefill_worker, decode_worker = stack.workers["prefill-0"], stack.workers["decode-0"]
-        message = client_request(PROMPT, max_tokens=60)
-        undisturbed = generate(stack.router.address, message)
-        hog_prompt = [2, *range(200, 299)]  # 100 tokens + its first token: 7 blocks
-        hog_first = prefill_hog(prefill_worker.address, hog_prompt)
-        release(prefill_worker.address, "hog")
-        hog_handle = worker_pb2.KVHandle()
-        hog_handle.CopyFrom(hog_first.kv_handle)
-        hog_handle.source_address = f"127.0.0.1:{hanging_port}"
-        hog_message = worker_pb2.DecodeRequest(
-            request_id="hog", prompt_token_ids=hog_prompt,
-            generated_token_ids=[hog_first.token_id], params=params(None))
-        hog_message.kv_handle.CopyFrom(hog_handle)
-        with grpc.insecure_channel(decode_worker.address) as channel:
-            hog = worker_pb2_grpc.WorkerStub(channel).Decode(hog_message, timeout=120)
-            wait_until(lambda: worker_load(decode_worker.address).num_free_blocks <= 1, 30,
-                       interval=0.02)
-            outcome: dict = {}
-            thread = threading.Thread(target=lambda: outcome.update(
-                result=generate(stack.router.address, message, timeout=120)), daemon=True)
-            thread.start()
-            wait_until(lambda: worker_load(prefill_worker.address).num_pinned == 1, 30,
-                       interval=0.02)
-            prefill_worker.popen.kill()
-            prefill_worker.popen.wait(10)
-            hog.cancel()
-        hanging.release.set()
-        thread.join(120)
-        result = outcome.get("result")
-        assert result is not None, f"router log:\n{stack.router.log_tail()}"
-        assert result.token_ids == undisturbed.token_ids
-        assert result.complete.usage.num_migrations == 0
-        log = decode_worker.log_path.read_text()
-        assert f"KV pull from {prefill_worker.address} failed" in log
-        assert_idle(decode_worker.address)
+        with hanging_kv_source() as hanging:
+            prefill_worker, decode_worker = stack.workers["prefill-0"], stack.workers["decode-0"]
+            message = client_request(PROMPT, max_tokens=60)
+            undisturbed = generate(stack.router.address, message)
+            hog_prompt = [2, *range(200, 299)]  # 100 tokens + its first token: 7 blocks
+            hog_first = prefill_hog(prefill_worker.address, hog_prompt)
+            release(prefill_worker.address, "hog")
+            hog_handle = worker_pb2.KVHandle()
+            hog_handle.CopyFrom(hog_first.kv_handle)
+            hog_handle.source_address = hanging.address
+            hog_message = worker_pb2.DecodeRequest(
+                request_id="hog", prompt_token_ids=hog_prompt,
+                generated_token_ids=[hog_first.token_id], params=params(None))
+            hog_message.kv_handle.CopyFrom(hog_handle)
+            with grpc.insecure_channel(decode_worker.address) as channel:
+                hog = worker_pb2_grpc.WorkerStub(channel).Decode(hog_message, timeout=120)
+                wait_until(lambda: worker_load(decode_worker.address).num_free_blocks <= 1, 30,
+                           interval=0.02)
+                outcome: dict = {}
+                thread = threading.Thread(target=lambda: outcome.update(
+                    result=generate(stack.router.address, message, timeout=120)), daemon=True)
+                thread.start()
+                wait_until(lambda: worker_load(prefill_worker.address).num_pinned == 1, 30,
+                           interval=0.02)
+                prefill_worker.popen.kill()
+                prefill_worker.popen.wait(10)
+                hog.cancel()
+            hanging.release.set()
+            thread.join(120)
+            result = outcome.get("result")
+            assert result is not None, f"router log:\n{stack.router.log_tail()}"
+            assert result.token_ids == undisturbed.token_ids
+            assert result.complete.usage.num_migrations == 0
+            log = decode_worker.log_path.read_text()
+            assert f"KV pull from {prefill_worker.address} failed" in log
+            assert_idle(decode_worker.address)
     finally:
-        hanging.release.set()
-        server.stop(0)
         stop(stack.processes)
 
 

@@ -10,12 +10,11 @@ of decode-1's cache while it runs).
 from __future__ import annotations
 
 import random
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from helpers.client import generate, request, router_counter, worker_load
+from helpers.hanging_kv_source import hanging_kv_source
 from helpers.processes import (free_port, start, start_metered_stack, stop, wait_in_pool,
                                wait_serving, wait_until)
 
@@ -134,17 +133,6 @@ def test_a_turn_with_more_new_tokens_than_the_limit_goes_to_the_prefill_tier(sta
     assert len(second.token_ids) == 8
 
 
-class HangingKVSource(worker_pb2_grpc.KVTransferServicer):
-    """A KV source whose pulls hang until `release` is set: a decode worker pulling from it
-    keeps the blocks it reserved for the pull."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    def PullKV(self, request, context):  # noqa: N802 (gRPC's naming)
-        self.release.wait(120)
-        context.abort(grpc.StatusCode.UNAVAILABLE, "hanging source released")
-
 
 def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
     """Half of decode-1's cache is held by a pull from a hanging source (usage 0.5 adds no
@@ -154,14 +142,9 @@ def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
     Through the router that has decode-1 alone, the client gets RESOURCE_EXHAUSTED and the
     prefill worker's pin is released then (not left to its lease)."""
     prefill, small = stack.workers["prefill-0"], stack.workers["decode-1"]
-    hanging = HangingKVSource()
-    server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    worker_pb2_grpc.add_KVTransferServicer_to_server(hanging, server)
-    hanging_port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     rng = random.Random(13)
     hog_prompt = prompt_of(rng, SMALL_CACHE_BLOCKS // 2 * BLOCK_SIZE - 1)  # + 1 token: half
-    try:
+    with hanging_kv_source() as hanging:
         with grpc.insecure_channel(prefill.address) as channel:
             hog_first = worker_pb2_grpc.WorkerStub(channel).Prefill(worker_pb2.PrefillRequest(
                 request_id="hog", prompt_token_ids=hog_prompt, params=params(4),
@@ -172,7 +155,7 @@ def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
             request_id="hog", prompt_token_ids=hog_prompt,
             generated_token_ids=[hog_first.token_id], params=params(4))
         hog_message.kv_handle.CopyFrom(hog_first.kv_handle)
-        hog_message.kv_handle.source_address = f"127.0.0.1:{hanging_port}"
+        hog_message.kv_handle.source_address = hanging.address
         with grpc.insecure_channel(small.address) as channel:
             hog = worker_pb2_grpc.WorkerStub(channel).Decode(hog_message, timeout=120)
             wait_until(lambda: worker_load(small.address).num_free_blocks
@@ -197,6 +180,3 @@ def test_a_decode_worker_without_free_blocks_refuses_and_another_serves(stack):
         assert "nobody pulled: all-refused" not in prefill.log_path.read_text()
         wait_until(lambda: worker_load(small.address).num_free_blocks == SMALL_CACHE_BLOCKS,
                    30)
-    finally:
-        hanging.release.set()
-        server.stop(0)
