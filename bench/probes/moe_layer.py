@@ -11,8 +11,9 @@ at its default config, and the best of a small sweep of decode configs. The floo
 distinct chosen experts' bytes at the measured copy bandwidth.
 
 Prefill (`--prefill-tokens`): AITER's fused_moe at a handful of block configs, as a fraction of
-the measured bf16 matmul rate (expert FLOPs only), with the time split into align, gate_up,
-silu*mul, down and the sum over k.
+the measured bf16 matmul rate (expert FLOPs only). bench/probes/moe_prefill.py splits the
+default config's time into align, gate_up, silu*mul, down and the sum over k, beside our
+prefill kernels.
 """
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ import itertools
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from tandem.bench.engine_limits import copies_to_defeat_l2, measure_limits, time_cuda, time_graphed
 from tandem.workers.ops.gpu import moe_decode
 from tandem.workers.ops.moe import select_experts
-from tandem.workers.ops.moe_aiter import aiter_moe_config, aiter_triton_fused_moe, align_by_expert
+from tandem.workers.ops.moe_aiter import aiter_moe_config, aiter_triton_fused_moe
 
 BF16 = torch.bfloat16
 
@@ -106,29 +106,6 @@ def prefill_table(args, matmul_flops: float) -> list[str]:
             continue
         lines.append(f"  {seconds * 1e3:7.2f} ms  {flops / seconds / matmul_flops:5.1%}  "
                      f"{config}{'  (default)' if config is default else ''}")
-    # where the default config's time goes
-    from tandem.workers.ops.aiter_compat import load_aiter_triton
-    aiter = load_aiter_triton()
-    cfg = default
-    sorted_ids, expert_ids, num_post_pad = align_by_expert(ids, e, cfg["BLOCK_SIZE_M"])
-    gate_up = torch.empty(tokens, k, 2 * i, dtype=BF16, device="cuda")
-    act = torch.empty(tokens * k, i, dtype=BF16, device="cuda")
-    down = torch.empty(tokens, k, h, dtype=BF16, device="cuda")
-    w32, i32 = weights.float().contiguous(), ids.contiguous()
-    parts = {
-        "align": lambda: align_by_expert(ids, e, cfg["BLOCK_SIZE_M"]),
-        "gate_up": lambda: aiter.fused_moe(hidden, w13, gate_up, None, None, None, w32, i32,
-                                           sorted_ids, expert_ids, num_post_pad, False, k,
-                                           aiter.tl.bfloat16, False, False, False, None, cfg),
-        "silu*mul": lambda: torch.mul(F.silu(gate_up[..., :i]), gate_up[..., i:],
-                                      out=act.view(tokens, k, i)),
-        "down": lambda: aiter.fused_moe(act, w2, down, None, None, None, w32, i32, sorted_ids,
-                                        expert_ids, num_post_pad, True, 1, aiter.tl.bfloat16,
-                                        False, False, False, None, cfg),
-        "sum over k": lambda: down.sum(dim=1),
-    }
-    for name, fn in parts.items():
-        lines.append(f"  part {name:>10}: {time_cuda(fn, reps=5) * 1e3:7.2f} ms")
     return lines
 
 
