@@ -109,15 +109,13 @@ class RoutingPolicy:
         if self.policy == "least-loaded" or not prompt_token_ids:
             return self._decided(candidates[self._lowest(candidates, _costs(candidates))],
                                  "least_loaded", 0, note)
-        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
-        most = max(cached)
-        if most == 0:  # nobody holds the prefix
+        scored = self._cache_aware_choice(candidates, prompt_token_ids, note)
+        if scored is None:  # nobody holds the prefix
             return self._decided(candidates[self._lowest(candidates, _costs(candidates))],
                                  "least_loaded", 0, note)
-        costs = _costs(candidates, cached, self.cache_weight / len(prompt_token_ids))
-        position = self._lowest(candidates, costs)
+        position, cached = scored
         # load_override: a worker holding more of the prompt was too busy.
-        reason = "cache_hit" if cached[position] == most else "load_override"
+        reason = "cache_hit" if cached[position] == max(cached) else "load_override"
         return self._decided(candidates[position], reason, cached[position], note)
 
     def pick_local_prefill(self, candidates: list, prompt_token_ids: Sequence[int],
@@ -128,16 +126,25 @@ class RoutingPolicy:
         if (self.policy != "cache-aware" or not self.local_prefill_max_tokens or not candidates
                 or not prompt_token_ids):
             return None
-        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
-        if max(cached) == 0:
+        scored = self._cache_aware_choice(candidates, prompt_token_ids, note)
+        if scored is None:
             return None
-        costs = _costs(candidates, cached, self.cache_weight / len(prompt_token_ids))
-        position = self._lowest(candidates, costs)
+        position, cached = scored
         num_cached = cached[position]
         if not num_cached or len(prompt_token_ids) - num_cached > self.local_prefill_max_tokens:
             return None
         return self._decided(candidates[position], "local_prefill", num_cached, note,
                              is_prompt_tier=True)
+
+    def _cache_aware_choice(self, candidates: list, prompt_token_ids: Sequence[int],
+                            note: RoutingNote | None) -> tuple[int, list[int]] | None:
+        """The cache-aware pick among `candidates`: (its position, every candidate's predicted
+        cached tokens), or None when none holds any of the prompt. Records nothing."""
+        cached = self.predicted_cached_tokens(candidates, prompt_token_ids, note)
+        if max(cached) == 0:
+            return None
+        costs = _costs(candidates, cached, self.cache_weight / len(prompt_token_ids))
+        return self._lowest(candidates, costs), cached
 
     def predicted_cached_tokens(self, candidates: list, prompt_token_ids: Sequence[int],
                                 note: RoutingNote | None = None) -> list[int]:
