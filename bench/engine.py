@@ -142,24 +142,41 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
             "graphed": engine.runner.graphs is not None, **({"profile": table} if table else {})}
 
 
-def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 3) -> dict:
+def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 3,
+                  profile: bool = False) -> dict:
+    """One engine step prefilling one prompt of `length` random tokens (median of reps after
+    a warm-up); with profile, the kernel time table of one more such step."""
     gen = torch.Generator().manual_seed(length)
     vocab = engine.resolved.vocab_size
     times = []
-    for rep in range(reps + 1):  # the first is a warm-up
+
+    def prefill_step() -> float:
         prompt = torch.randint(0, vocab, (length,), generator=gen).tolist()
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         torch.cuda.synchronize()
         started = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for rep in range(reps + 1):  # the first is a warm-up
+        seconds = prefill_step()
         if rep:
-            times.append(time.perf_counter() - started)
+            times.append(seconds)
     seconds = statistics.median(times)
     flops = shape.prefill_flops(length)
-    return {"ms": seconds * 1e3, "TFLOPs": flops / seconds / 1e12,
-            "floor_ms": flops / limits.matmul_flops_per_s * 1e3,
-            "matmul_fraction": flops / seconds / limits.matmul_flops_per_s}
+    row = {"ms": seconds * 1e3, "TFLOPs": flops / seconds / 1e12,
+           "floor_ms": flops / limits.matmul_flops_per_s * 1e3,
+           "matmul_fraction": flops / seconds / limits.matmul_flops_per_s}
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prefill_step()
+        row["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16,
+                                                   max_name_column_width=70)
+    return row
 
 
 def bench_hf_decode(model_dir: Path, context: int, steps: int = 12) -> float:
@@ -214,9 +231,13 @@ def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
             if "profile" in row:
                 print(row["profile"], flush=True)
     for length in args.prefill:
-        row = bench_prefill(engine, shape, limits, length)
+        row = bench_prefill(engine, shape, limits, length,
+                            profile=args.profile and length == max(args.prefill))
         result["prefill"][str(length)] = row
-        print(f"  {name} prefill {length}: {row}", flush=True)
+        print(f"  {name} prefill {length}: " + json.dumps(
+            {k: v for k, v in row.items() if k != "profile"}), flush=True)
+        if "profile" in row:
+            print(row["profile"], flush=True)
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -277,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ops", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--profile", action="store_true",
-                        help="print the kernel time table of the smallest and largest batch")
+                        help="print the kernel time tables of the smallest and largest batch and "
+                             "of the longest prefill")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     for field in ("batches", "contexts", "prefill"):

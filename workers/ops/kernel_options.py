@@ -13,9 +13,9 @@ Fields, each with the environment variable that gives its default:
                          (parallel/one_shot_all_reduce.py)
     moe_decode           TANDEM_MOE_DECODE=0 sends decode-sized MoE batches through AITER's
                          fused_moe too (ops/moe.py; the decode kernels are ops/gpu/moe_decode.py)
-    moe_prefill          TANDEM_MOE_PREFILL=1 sends larger MoE batches through our grouped GEMMs
-                         rather than AITER's fused_moe (ops/moe.py -> ops/gpu/moe_prefill.py);
-                         off by default: its GPU tests and model-level timing are still to run
+    moe_prefill          TANDEM_MOE_PREFILL=0 sends larger MoE batches through AITER's
+                         fused_moe rather than our grouped GEMMs (ops/moe.py ->
+                         ops/gpu/moe_prefill.py)
     kernel_cache         TANDEM_KERNEL_CACHE: where our CUDA C++ kernels are built
                          (ops/gpu/cuda_build.py); empty: ~/.cache/tandem/kernels
 
@@ -44,7 +44,7 @@ class KernelOptions:
     one_shot_all_reduce: bool = True
     kernel_cache: str = ""
     moe_decode: bool = True
-    moe_prefill: bool = False
+    moe_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in SWITCHES:

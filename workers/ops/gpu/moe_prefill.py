@@ -29,6 +29,7 @@ activation dtype before the sum over k (as moe_aiter.py does).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -255,17 +256,27 @@ class PrefillConfig:
     group_size_m: int = 8
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> PrefillConfig:
+def default_config(num_tokens: int, top_k: int, num_experts: int,
+                   element_size: int = 2) -> PrefillConfig:
     """By the mean number of pairs per expert: blocks of rows no taller than an expert's run
     (padding rows cost a full row of work), 128 x 256 output tiles (gate_up: 128 gate and 128
     up columns) once experts have hundreds of rows. Each stage of the 128-row tiles holds
-    48 KiB of shared memory, so four stages fit a Hopper SM."""
+    48 KiB of shared memory for 2-byte elements, so four stages fit a Hopper SM; wider elements
+    (fp32) take a proportionally shorter BLOCK_K to keep each stage's bytes."""
     pairs_per_expert = num_tokens * top_k / num_experts
     if pairs_per_expert <= 32:
-        return PrefillConfig(32, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
-    if pairs_per_expert <= 128:
-        return PrefillConfig(64, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
-    return PrefillConfig(128, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+        config = PrefillConfig(32, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
+    elif pairs_per_expert <= 128:
+        config = PrefillConfig(64, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+    else:
+        config = PrefillConfig(128, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+    if element_size <= 2:
+        return config
+    shrink = element_size // 2
+    return dataclasses.replace(
+        config,
+        gate_up=dataclasses.replace(config.gate_up, block_k=config.gate_up.block_k // shrink),
+        down=dataclasses.replace(config.down, block_k=config.down.block_k // shrink))
 
 
 def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
@@ -330,7 +341,7 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(hidden)
-    config = config or default_config(num_tokens, top_k, num_experts)
+    config = config or default_config(num_tokens, top_k, num_experts, hidden.element_size())
     hidden = hidden.contiguous()
     sorted_ids, expert_ids, num_post_pad = align_by_expert(topk_ids, num_experts,
                                                            config.block_m)
