@@ -26,7 +26,7 @@ import torch
 
 from tandem.common.sampling_params import SamplingParams
 from tandem.workers.engine.grammar_mask import GrammarMasker
-from tandem.workers.engine.host_to_device import as_device_tensor
+from tandem.workers.engine.host_to_device import as_device_tensor, copies_are_queued
 from tandem.workers.engine.sequence import Sequence, TokenLogprob
 
 
@@ -294,9 +294,10 @@ def _token_logprobs(tensors: tuple[torch.Tensor, ...], nums: list[int]) -> list[
 
 
 class DeviceSample:
-    """One step's samples on the device (and the logprobs asked for), until `to_host`. On a
-    GPU the host copies are queued at once, into pinned memory, with an event to wait on:
-    reading them never waits for work queued after this step."""
+    """One step's samples on the device (and the logprobs asked for), until `to_host`. For a
+    step queued ahead (host_to_device.queued_copies) on a GPU, the host copies are queued at
+    once, into pinned memory, with an event to wait on: reading them never waits for work
+    queued after this step. A synchronous step's `to_host` copies them then."""
 
     def __init__(self, token_ids: torch.Tensor, logprob_rows: list[int] = (),
                  nums: list[int] = (), logprob_tensors: tuple[torch.Tensor, ...] = ()) -> None:
@@ -305,7 +306,7 @@ class DeviceSample:
         self._nums = list(nums)
         tensors = (token_ids, *logprob_tensors)
         self._ready = None
-        if token_ids.is_cuda:
+        if token_ids.is_cuda and copies_are_queued():
             host = []
             for tensor in tensors:
                 copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -314,18 +315,18 @@ class DeviceSample:
             self._ready = torch.cuda.Event()
             self._ready.record()
             tensors = tuple(host)
-        self._host = tensors
+        self._values = tensors  # pinned host copies, or (synchronous) the device tensors
 
     def to_host(self) -> SamplerOutput:
         """The sampled ids and logprobs; waits (without holding the GIL) until the device has
         computed them."""
         if self._ready is not None:
             self._ready.synchronize()
-        token_ids = self._host[0].tolist()
+        token_ids = self._values[0].tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
         if self._logprob_rows:
             for row, entry in zip(self._logprob_rows,
-                                  _token_logprobs(self._host[1:], self._nums)):
+                                  _token_logprobs(self._values[1:], self._nums)):
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 

@@ -29,7 +29,7 @@ from tandem.common.checkpoint_files import eos_token_ids
 from tandem.common.logging import get_logger
 from tandem.workers.engine.config import EngineConfig, ResolvedConfig
 from tandem.workers.engine.cuda_graphs import default_capture_sizes
-from tandem.workers.engine.host_to_device import as_device_tensor
+from tandem.workers.engine.host_to_device import as_device_tensor, queued_copies
 from tandem.workers.engine.kv_sizing import KVCacheSize
 from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
                                                   size_rank_kv_cache)
@@ -105,15 +105,17 @@ class Executor:
         """Queues a decode step's forward pass; its logits [B, V], still being computed.
         Input tokens named by `carried` come from the previous step's samples on the device;
         the batch's token ids hold placeholders for them."""
-        inputs = self.runner.prepare_inputs(batch)
-        if carried is not None:
-            _carry_(inputs.input_ids, carried)
-        return self.runner.execute(inputs)
+        with queued_copies():
+            inputs = self.runner.prepare_inputs(batch)
+            if carried is not None:
+                _carry_(inputs.input_ids, carried)
+            return self.runner.execute(inputs)
 
     def launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
         """Queues the sampling of a launched forward's logits (row i is seqs[i]'s). A
         constrained row's grammar must have accepted every token before its input token."""
-        return self.sampler.sample_on_device(logits, seqs)
+        with queued_copies():
+            return self.sampler.sample_on_device(logits, seqs)
 
     def run_kv_ops(self, ops: list[KVRankOp]) -> list:
         """Runs KV rank ops on every rank, in order; rank 0's answer to each. Engine thread
