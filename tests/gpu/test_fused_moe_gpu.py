@@ -1,15 +1,17 @@
 """AITER's Triton fused_moe (backend 'aiter-triton') against the torch backend, on the GPU, bf16.
 
 Skips without a GPU (tests/gpu/conftest.py) or without amd-aiter. Run as a script for a table
-of errors and timings:  python tests/gpu/test_fused_moe_gpu.py
+of errors and timings:  PYTHONPATH=tests python tests/gpu/test_fused_moe_gpu.py
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.moe_cases import rel
+from helpers.moe_cases import routed_case as make_case
 
 from tandem.workers.ops.aiter_compat import aiter_available
-from tandem.workers.ops.moe import select_experts, torch_fused_moe
+from tandem.workers.ops.moe import torch_fused_moe
 from tandem.workers.ops.moe_aiter import aiter_triton_fused_moe
 
 if not aiter_available():
@@ -19,23 +21,6 @@ if not aiter_available():
 SHAPES = [(8, 2, 1024, 512), (64, 8, 1024, 512), (128, 8, 2048, 768)]
 TOKENS = [1, 7, 64, 512, 4096]
 MAX_REL = 1e-2
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
-def make_case(num_tokens, num_experts, top_k, hidden_size, size, seed=0, device="cuda",
-              dtype=torch.bfloat16):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-    hidden = randn(num_tokens, hidden_size)
-    w13 = randn(num_experts, 2 * size, hidden_size, scale=hidden_size ** -0.5)
-    w2 = randn(num_experts, hidden_size, size, scale=size ** -0.5)
-    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
-    return hidden, w13, w2, weights, ids
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.moe_cases import random_experts, rel
 
 from tandem.workers.ops.backend import triton_available
 from tandem.workers.ops.moe import select_experts, torch_fused_moe
@@ -22,19 +23,11 @@ TOKENS = [1, 2, 7, 16, 64]
 MAX_REL = 1e-2
 
 
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
 def make_case(num_tokens, num_experts, hidden_size, size, seed=0, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
-    hidden = randn(num_tokens, hidden_size)
-    w13 = randn(num_experts, 2 * size, hidden_size, scale=hidden_size ** -0.5)
-    w2 = randn(num_experts, hidden_size, size, scale=size ** -0.5)
-    logits = randn(num_tokens, num_experts)
+    """Random experts and bf16 router logits [T, E] from the same generator."""
+    gen, hidden, w13, w2 = random_experts(num_tokens, num_experts, hidden_size, size, seed,
+                                          dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda").to(dtype)
     return hidden, w13, w2, logits
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.moe_cases import rel, routed_case
 
 from tandem.workers.ops.backend import triton_available
 from tandem.workers.ops.moe import select_experts, torch_fused_moe
@@ -27,21 +28,9 @@ SHAPES = [(8, 2, 1024, 512), (64, 8, 1024, 512), (128, 8, 2048, 768), (256, 8, 5
 TOKENS = [1, 33, 129, 1000, 2048]
 
 
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-
-
 def make_case(num_tokens, num_experts, top_k, hidden_size, size, seed=0, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
-    hidden = randn(num_tokens, hidden_size)
-    w13 = randn(num_experts, 2 * size, hidden_size, scale=hidden_size ** -0.5)
-    w2 = randn(num_experts, hidden_size, size, scale=size ** -0.5)
-    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
-    weights, ids = select_experts(logits, top_k, renormalize=top_k > 1)
-    return hidden, w13, w2, weights, ids
+    return routed_case(num_tokens, num_experts, top_k, hidden_size, size, seed, dtype,
+                       renormalize=top_k > 1)
 
 
 def assert_align_equal(ids, num_experts, block_m):
