@@ -189,3 +189,23 @@ def test_rms_norm_and_silu_match_reference(rows, cols, dtype):
     assert rel(out, ref_out) <= tol and rel(summed, ref_sum) <= tol
     gate_up = torch.randn(rows, 2 * cols, device=DEV).to(dtype)
     assert rel(SiluAndMul(AITER)(gate_up), SiluAndMul()(gate_up)) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 32, 128), (300, 4, 128),
+                                                     (8192, 32, 128), (33, 5, 96)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_per_head_rms_norm_matches_reference(tokens, heads, head_dim, strided, dtype):
+    """Qwen3's QK norm: [T, H, D] rows of head_dim, strided as q out of a fused qkv row."""
+    ref_op = RMSNorm(head_dim, 1e-6).to(DEV, dtype)
+    op = RMSNorm(head_dim, 1e-6, AITER).to(DEV, dtype)
+    weight = torch.rand(head_dim, device=DEV).to(dtype) + 0.5
+    ref_op.weight.data, op.weight.data = weight.clone(), weight.clone()
+    if strided:
+        qkv = torch.randn(tokens, (heads + 3) * head_dim, device=DEV).to(dtype)
+        x = qkv[:, head_dim:(heads + 1) * head_dim].view(tokens, heads, head_dim)
+    else:
+        x = torch.randn(tokens, heads, head_dim, device=DEV).to(dtype)
+    out = op(x)
+    assert out.shape == x.shape and out.is_contiguous()
+    assert rel(out, ref_op(x)) <= (BF16_REL if dtype == torch.bfloat16 else FP32_REL)

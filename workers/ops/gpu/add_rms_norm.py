@@ -2,6 +2,11 @@
 
 Numerics follow transformers (and rms_norm in ops/norm.py): s = x + residual rounded to the
 activation dtype (the new residual), normalized in fp32, rounded, then multiplied by the weight.
+
+A program normalizes ROWS rows: one for hidden-size rows, several for short ones (Qwen3's
+per-head QK norm has rows of head_dim, 128 values), so a program always has a few thousand
+values to work on. A [T, H, D] input (q or k viewed out of the fused qkv projection's output)
+is read through its own token and head strides, without a copy first.
 """
 from __future__ import annotations
 
@@ -9,44 +14,62 @@ import torch
 import triton
 import triton.language as tl
 
+VALUES_PER_PROGRAM = 2048  # short rows are packed into programs of about this many values
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o,
-                     n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads,
+                     stride_x_tok, stride_x_head, stride_r, stride_o, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Rows ROWS * pid .. + ROWS of x viewed as [num_rows, n_cols], row r being head r % heads
+    of token r // heads (heads = 1 for a 2-D x); out and residual rows are contiguous."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]
+    x_rows = (rows // heads) * stride_x_tok + (rows % heads) * stride_x_head
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        s = x + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        tl.store(residual_ptr + row * stride_r + cols, s, mask=mask)  # the new residual
+        r_ptrs = residual_ptr + rows[:, None] * stride_r + cols[None, :]
+        s = x + tl.load(r_ptrs, mask=mask, other=0.0)
+        tl.store(r_ptrs, s, mask=mask)  # the new residual
         x = s
     x32 = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
-    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask)
-    out = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / n_cols + eps)
+    normed = (x32 * inv_rms[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=cols < n_cols)
+    out = normed.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., D] -> norm(x); with residual (same shape, rows contiguous), residual becomes
-    x + residual (in place) and the result is norm(x + residual)."""
-    if x.dim() != 2:  # e.g. per-head QK norm on [T, H, D]
+    """x [T, D] or [T, H, D] (per-head norm; other ranks as their rows) -> norm(x),
+    contiguous; with residual ([T, D], rows contiguous), residual becomes x + residual (in
+    place) and the result is norm(x + residual). x needs a contiguous last dim; its token
+    (and head) strides may be anything."""
+    if x.dim() == 3:
+        if residual is not None:
+            raise ValueError("rms_norm with a residual takes [T, D] inputs")
+        heads, stride_head = x.shape[1], x.stride(1)
+    elif x.dim() == 2:
+        heads, stride_head = 1, 0
+    else:  # any other rank: its rows, one after the other
         if residual is not None:
             raise ValueError("rms_norm with a residual takes [T, D] inputs")
         return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
-    num_rows, n_cols = x.shape
-    out = torch.empty_like(x)
+    n_cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = x.shape[0] * heads
     if num_rows == 0:
         return out
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("rms_norm needs rows with contiguous columns")
     block = triton.next_power_of_2(n_cols)
-    _rms_norm_kernel[(num_rows,)](
-        x, residual if residual is not None else x, weight, out, x.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)))
+    rows = max(1, VALUES_PER_PROGRAM // block)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, residual if residual is not None else x, weight, out, num_rows, heads,
+        x.stride(0), stride_head, residual.stride(0) if residual is not None else 0, n_cols,
+        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=rows,
+        num_warps=min(16, max(1, block * rows // 256)))
     return out
