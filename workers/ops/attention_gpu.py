@@ -144,10 +144,13 @@ def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         sliding_window: int | None) -> torch.Tensor:
     """Causal attention of each sequence over its own new K/V. K/V heads are repeated to the
     query heads first: SDPA's flash kernel takes no GQA, and its fallback (enable_gqa) builds
-    the whole [H, L, L] score matrix (8 GiB at 8k tokens)."""
-    out = torch.empty_like(q)
+    the whole [H, L, L] score matrix (8 GiB at 8k tokens). A lone sequence's output is
+    returned as the kernel wrote it when that is already [L, H, D] row-major (the flash
+    kernels write token-major), with no copy into a fresh tensor."""
     group = q.shape[1] // k.shape[1]
     starts = meta.query_start_loc_host
+    lone = len(meta.seq_lens_host) == 1 and starts[1] - starts[0] == q.shape[0]
+    out = None if lone else torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens_host):
         start, end = starts[i], starts[i + 1]
         # [1, H, L, D]: the flash kernel takes 4-D inputs only (3-D goes to the math kernel).
@@ -160,5 +163,7 @@ def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             pos = torch.arange(seq_len, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        if lone:
+            return o[0].transpose(0, 1).contiguous()  # no copy when already token-major
         out[start:end] = o[0].transpose(0, 1)
     return out
