@@ -172,9 +172,7 @@ async def measure(args, address: str, handles: dict, sizes: list[int], rate: flo
     from tandem.workers.kv_transfer_service import KVPeerClient, pull_kv
 
     on_gpu = args.device != "cpu"
-    device = torch.device(ends(args)[1])
-    if on_gpu:
-        torch.cuda.set_device(device)
+    device = torch.device(ends(args)[1])  # the current device here (main scopes it)
     local_blocks = max(sizes) * 2 + 1
     caches, _ = make_caches(args, local_blocks, str(device))
     layout = KVLayout.from_kv_caches(caches)
@@ -335,8 +333,11 @@ def main(argv=None) -> int:
     source.start()
     try:
         port = queue.get(timeout=300)
-        rows = asyncio.run(measure(args, f"127.0.0.1:{port}", handles, sizes, rate,
-                                   num_blocks))
+        # The pulling end is the current device while measuring only: tests call main()
+        # in-process and must not find a different current device afterwards.
+        with torch.cuda.device(dst_dev) if args.device != "cpu" else contextlib.nullcontext():
+            rows = asyncio.run(measure(args, f"127.0.0.1:{port}", handles, sizes, rate,
+                                       num_blocks))
     except CheckFailed as exc:
         print(f"kv_transfer: bit-exact check failed: {exc}", file=sys.stderr)
         return 1

@@ -169,6 +169,19 @@ def test_split_count_choice():
 def test_decode_replays_in_a_cuda_graph_at_new_lengths(dtype):
     """Captured with max_seq_len = 4096 on one batch, replayed on another batch's lengths,
     block tables and slots (copied into the same buffers): equals an eager reference."""
+    replay_at_new_lengths(dtype)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@DTYPES
+def test_decode_replays_in_a_cuda_graph_with_cuda1_current(dtype):
+    """The same on cuda:1 as the current device, as a worker started with --device cuda:1
+    runs: nothing in the capture or the reference assumes device 0."""
+    with torch.cuda.device(1):
+        replay_at_new_lengths(dtype)
+
+
+def replay_at_new_lengths(dtype):
     heads, dims = 16, V3_DIMS
     first = mla_case([(10, 1), (200, 1)], heads, dims, 16, dtype, seed=1)
     second = mla_case([(1000, 1), (0, 1)], heads, dims, 16, dtype, seed=2)
