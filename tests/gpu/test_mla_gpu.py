@@ -175,8 +175,8 @@ def test_decode_replays_in_a_cuda_graph_at_new_lengths(dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @DTYPES
 def test_decode_replays_in_a_cuda_graph_with_cuda1_current(dtype):
-    """The same on cuda:1 as the current device, as a worker started with --device cuda:1
-    runs: nothing in the capture or the reference assumes device 0."""
+    """The same with cuda:1 as the current device (as a TP rank on cuda:1 runs), after
+    captures on cuda:0 in this process: nothing in the op assumes device 0."""
     with torch.cuda.device(1):
         replay_at_new_lengths(dtype)
 
@@ -197,7 +197,9 @@ def replay_at_new_lengths(dtype):
     args = lambda: [static_inputs[k] for k in ("q_nope", "q_pe", "kv_c", "k_pe")]  # noqa: E731
     op(*args(), first[2], meta)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # A capture stream of the current device, as the engine's (torch.cuda.graph's default is
+    # one stream per process, made on whichever device was current at the first capture).
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
         out = op(*args(), first[2], meta)
     # the second batch's blocks live after the first's in the shared cache
     offset = first[0].shape[0]
