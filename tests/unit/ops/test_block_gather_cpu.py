@@ -30,9 +30,7 @@ def test_one_compiled_variant_serves_every_launch_and_launch_args_follow_the_bin
     variants = set()
     for n, offset in [(1, 0), (5, 1), (16, 0), (17, 3), (64, 2)]:
         ids = torch.zeros(2 * n + offset, dtype=torch.int32)[offset:].view(2, n)
-        params, specialization, _ = binder(
-            gather.src_bytes, gather.dst_bytes, ids, n, *gather.strides, gather.block_bytes,
-            CHUNK=block_copy.CHUNK_BYTES, ALIGNED=gather.aligned, num_warps=block_copy.NUM_WARPS)
+        params, specialization, _ = binder(*gather._jit_args(ids, n), **gather._jit_options)
         variants.add(str(specialization))
         bound = [p.data_ptr() if isinstance(p, torch.Tensor) and p is not ids else p
                  for p in params.values()]

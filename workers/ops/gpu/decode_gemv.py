@@ -42,7 +42,8 @@ def _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k0, K, w, wu, acc, acc_
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + offs_k, x, mask=mask_k & write_residual)
+        if write_residual:  # program 0 (a branch: Triton's interpreter takes no scalar masks)
+            tl.store(res_out_ptr + offs_k, x, mask=mask_k)
     xf = x.to(tl.float32)
     if HAS_NORM:
         sum_sq += xf * xf

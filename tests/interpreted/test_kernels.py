@@ -1,0 +1,223 @@
+"""Our Triton kernels on CPU, under Triton's interpreter, against the torch reference ops.
+
+Small shapes (the interpreter runs each program in Python), fp32 and fp16 (numpy has no
+bfloat16). What these hold: indexing, masking, layouts, padding rows and the order of rounding;
+speed and bf16 numerics are tests/gpu's. Run by tests/unit/ops/test_triton_interpreter.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.workers.ops.attention import AttentionMetadata, paged_attention_torch
+from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, kv_write, mla_decode, moe_decode,
+                                    moe_prefill, paged_decode, rope, silu_and_mul)
+from tandem.workers.ops.kv_cache import write_slots
+from tandem.workers.ops.moe import select_experts, torch_fused_moe
+from tandem.workers.ops.norm import RMSNorm
+from tandem.workers.ops.rotary import RotaryEmbedding
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def norm_module(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.rand(dim, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return norm.to(dtype)
+
+
+@DTYPES
+def test_rms_norm_rows_heads_and_residual(dtype):
+    torch.manual_seed(0)
+    norm = norm_module(96, dtype, 1)
+    x = torch.randn(7, 96).to(dtype)
+    residual = torch.randn(7, 96).to(dtype)
+    with torch.no_grad():
+        want, want_sum = norm(x, residual.clone())
+    got = add_rms_norm.rms_norm(x, norm.weight.data, 1e-6, residual)
+    assert rel(got, want) <= TOL[dtype] and torch.equal(residual, want_sum)
+    # Per-head rows read through the strides of a view out of a wider tensor (QK norm).
+    head_norm = norm_module(32, dtype, 2)
+    qkv = torch.randn(5, (6 + 2 + 2) * 32).to(dtype)
+    q = qkv[:, :6 * 32].view(5, 6, 32)
+    with torch.no_grad():
+        assert rel(add_rms_norm.rms_norm(q, head_norm.weight.data, 1e-6), head_norm(q)) \
+            <= TOL[dtype]
+
+
+@DTYPES
+@pytest.mark.parametrize("neox, partial", [(True, 1.0), (False, 1.0), (True, 0.5)])
+def test_rope_and_kv_write(neox, partial, dtype):
+    torch.manual_seed(1)
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    rotary = RotaryEmbedding(32, 256, params, is_neox_style=neox)
+    tokens, heads, kv_heads = 6, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 32).to(dtype)
+    q, k, v = (t.view(tokens, -1, 32) for t in qkv.split([heads * 32, kv_heads * 32,
+                                                          kv_heads * 32], dim=-1))
+    positions = torch.randint(0, 256, (tokens,))
+    slots = torch.randperm(5 * 4)[:tokens]
+    slots[2] = -1  # a CUDA-graph padding row: rotated, never cached
+    caches = [torch.zeros(5, 4, kv_heads, 32, dtype=dtype) for _ in range(4)]
+    ref_q, ref_k = rotary(positions, q.clone(), k.clone())
+    real = slots >= 0
+    write_slots(caches[0], slots[real], ref_k[real])
+    write_slots(caches[1], slots[real], v[real])
+    rope.rope_and_write_kv(positions, q, k, v, rotary.cos, rotary.sin, neox, caches[2],
+                           caches[3], slots)
+    assert rel(q, ref_q) <= TOL[dtype] and rel(k, ref_k) <= TOL[dtype]
+    assert rel(caches[2], caches[0]) <= TOL[dtype] and torch.equal(caches[3], caches[1])
+
+
+@DTYPES
+def test_kv_write_skips_padding_slots(dtype):
+    torch.manual_seed(2)
+    k, v = torch.randn(5, 2, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
+    slots = torch.tensor([9, -1, 0, 13, 4])
+    caches = [torch.zeros(4, 4, 2, 16, dtype=dtype) for _ in range(4)]
+    write_slots(caches[0], slots[slots >= 0], k[slots >= 0])
+    write_slots(caches[1], slots[slots >= 0], v[slots >= 0])
+    kv_write.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@DTYPES
+def test_silu_and_mul(dtype):
+    x = torch.randn(3, 2 * 40).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel(silu_and_mul.silu_and_mul(x), F.silu(gate) * up) <= TOL[dtype]
+
+
+@DTYPES
+@pytest.mark.parametrize("fuse_norm, silu_mul", [(False, False), (True, False), (True, True)])
+def test_fused_gemv(fuse_norm, silu_mul, dtype):
+    torch.manual_seed(3)
+    x = torch.randn(1, 160).to(dtype)
+    weight = (torch.randn(48, 160) / 160 ** 0.5).to(dtype)
+    residual = torch.randn(1, 160).to(dtype) if fuse_norm else None
+    norm = norm_module(160, dtype, 4)
+    h, want_residual = x, None
+    if fuse_norm:
+        with torch.no_grad():
+            h, want_residual = norm(x, residual.clone())
+    want = F.linear(h.float(), weight.float())
+    if silu_mul:
+        gate, up = want.to(dtype).float().chunk(2, dim=-1)
+        want = F.silu(gate) * up
+    got, new_residual = decode_gemv.fused_gemv(
+        x, weight, residual=residual, norm_weight=norm.weight.data if fuse_norm else None,
+        eps=1e-6, silu_mul=silu_mul,
+        config={"block_n": 8, "block_k": 64, "num_warps": 4, "num_stages": 1})
+    assert rel(got, want) <= TOL[dtype]
+    if fuse_norm:
+        assert torch.equal(new_residual, want_residual)
+
+
+def paged_metadata_cpu(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
+                       ) -> tuple[AttentionMetadata, list[list[int]]]:
+    """Decode metadata (one new token per sequence) over shuffled blocks."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = []
+    for n in seq_lens:
+        count = -(-n // block_size)
+        tables.append(order[:count])
+        order = order[count:]
+    width = max(map(len, tables))
+    starts = list(range(len(seq_lens) + 1))
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+             for t, n in zip(tables, seq_lens)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_host=starts,
+        seq_lens_host=list(seq_lens))
+    return meta, tables
+
+
+@DTYPES
+@pytest.mark.parametrize("num_splits, window, with_sinks", [(1, None, False), (4, None, False),
+                                                            (2, 9, False), (2, None, True)])
+def test_paged_decode_attention(num_splits, window, with_sinks, dtype):
+    torch.manual_seed(5)
+    seq_lens, block_size, kv_heads, heads, dim = [1, 20, 37], 8, 2, 4, 32
+    meta, _ = paged_metadata_cpu(seq_lens, block_size, 12, seed=6)
+    k_cache = torch.randn(12, block_size, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(12, block_size, kv_heads, dim).to(dtype)
+    q = torch.randn(3, heads, dim).to(dtype)
+    sinks = torch.randn(heads) if with_sinks else None  # GPT-OSS's per-head sink logits
+    want = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), meta,
+                                 dim ** -0.5, sliding_window=window, sinks=sinks)
+    got = paged_decode.paged_decode_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, dim ** -0.5,
+        num_splits=num_splits, sliding_window=window, sinks=sinks, block_n=16)
+    assert rel(got, want) <= TOL[dtype]
+
+
+@DTYPES
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mla_decode_attention(num_splits, dtype):
+    torch.manual_seed(7)
+    seq_lens, block_size, heads, rank, rope_dim = [3, 29], 8, 4, 32, 16
+    meta, tables = paged_metadata_cpu(seq_lens, block_size, 6, seed=8)
+    latent = torch.randn(6, block_size, 1, rank + rope_dim).to(dtype)
+    q_lat = torch.randn(2, heads, rank).to(dtype)
+    q_pe = torch.randn(2, heads, rope_dim).to(dtype)
+    scale = 0.1
+    want = []
+    for b, n in enumerate(seq_lens):
+        rows = latent[tables[b]].reshape(-1, rank + rope_dim)[:n].float()  # [S, R + P]
+        scores = (q_lat[b].float() @ rows[:, :rank].T + q_pe[b].float() @ rows[:, rank:].T)
+        want.append(torch.softmax(scores * scale, dim=-1) @ rows[:, :rank])  # [H, R]
+    got = mla_decode.mla_decode_attention(q_lat, q_pe, latent, meta.block_tables,
+                                          meta.seq_lens, scale, num_splits=num_splits)
+    assert rel(got, torch.stack(want)) <= TOL[dtype]
+    # The latent write: [kv_c | k_pe] rows at the slots, a padding slot writes nothing.
+    kv_c, k_pe = torch.randn(3, rank).to(dtype), torch.randn(3, rope_dim).to(dtype)
+    slots = torch.tensor([5, -1, 40])
+    cache, want_cache = torch.zeros_like(latent), torch.zeros_like(latent)
+    write_slots(want_cache, slots[slots >= 0], torch.cat((kv_c, k_pe), -1)[slots >= 0][:, None])
+    mla_decode.write_latent_cache(kv_c, k_pe, cache, slots)
+    assert torch.equal(cache, want_cache)
+
+
+def experts(num_tokens: int, num_experts: int, hidden: int, size: int, dtype: torch.dtype,
+            seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * size, hidden, generator=gen) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, size, generator=gen) * size ** -0.5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(dtype)
+    return x, w13, w2, logits
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 4), (3, 2), (6, 1)])
+def test_moe_decode(num_tokens, top_k, dtype):
+    x, w13, w2, logits = experts(num_tokens, 8, 48, 24, dtype, seed=num_tokens)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    want = torch_fused_moe(x, w13, w2, weights, ids)
+    routed = moe_decode.decode_moe(x, w13, w2, router_logits=logits, top_k=top_k)
+    given = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
+    assert rel(routed, want) <= TOL[dtype] and rel(given, want) <= TOL[dtype]
+    got_w, got_ids = moe_decode.route(logits, top_k, True)
+    assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
+
+
+@DTYPES
+def test_moe_prefill(dtype):
+    x, w13, w2, logits = experts(40, 8, 64, 32, dtype, seed=9)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    ids[:5] = torch.tensor([3, 5])  # tokens sharing experts, and experts nobody picks
+    tile = moe_prefill.GemmConfig(32, 32, 4, 1)
+    config = moe_prefill.PrefillConfig(16, tile, tile)
+    got = moe_prefill.prefill_fused_moe(x, w13, w2, weights, ids, config=config)
+    assert rel(got, torch_fused_moe(x, w13, w2, weights, ids)) <= TOL[dtype]
