@@ -15,6 +15,7 @@ from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, kv_write, mla_dec
                                     moe_prefill, paged_decode, rope, silu_and_mul)
 from tandem.workers.ops.kv_cache import write_slots
 from tandem.workers.ops.moe import select_experts, torch_fused_moe
+from tandem.workers.ops.moe_aiter import align_by_expert as torch_align_by_expert
 from tandem.workers.ops.norm import RMSNorm
 from tandem.workers.ops.rotary import RotaryEmbedding
 
@@ -221,3 +222,20 @@ def test_moe_prefill(dtype):
     config = moe_prefill.PrefillConfig(16, tile, tile)
     got = moe_prefill.prefill_fused_moe(x, w13, w2, weights, ids, config=config)
     assert rel(got, torch_fused_moe(x, w13, w2, weights, ids)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m",
+                         [(40, 2, 8, 16), (3, 8, 64, 16), (300, 4, 16, 64)])
+def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts, block_m):
+    """The three-launch align by expert: the torch align's outputs, entry for entry, padding
+    included (only the used length of sorted ids is compared)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                       for _ in range(num_tokens)])
+    got = moe_prefill.align_by_expert(ids, num_experts, block_m)
+    want = torch_align_by_expert(ids, num_experts, block_m)
+    used = int(want[2])
+    assert int(got[2]) == used
+    assert torch.equal(got[0][:used], want[0][:used])
+    assert torch.equal(got[1][:used // block_m], want[1][:used // block_m])
+
