@@ -74,6 +74,7 @@ class LocalStack:
     grace_s: float = 15.0
     children: list[_Child] = field(default_factory=list)
     router_address: str = ""
+    metrics_address: str = ""  # the router's /metrics (host:port), once started
 
     def start(self) -> str:
         """Starts the workers, then the router; returns the router's address. On failure
@@ -104,7 +105,7 @@ class LocalStack:
             self._wait_serving(group)
             self._wait_serving([router])
             self._wait_pool(router, metrics_address, len(group))
-            self.router_address = router.address
+            self.router_address, self.metrics_address = router.address, metrics_address
             return router.address
         except BaseException:
             self.stop()

@@ -16,6 +16,10 @@ the KV bytes one prompt moves (layers x 2 x KV heads x head dim x 2 bytes per to
 the median over requests of its longest gap inside a handoff (from the handoff request's first
 token to its second). A handoff that holds the decode worker's engine thread shows there as a
 gap as long as the pull; one that lets steps go on leaves about one step.
+
+TTFT parts: the router's own split of each request's TTFT (`tandem:time_to_first_token_part_
+seconds`: router queue, prefill queue, prefill compute -- first scheduled to first token on the
+prefill worker -- and first-token delivery), their means over the timed requests of a length.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import torch
 
 from tandem.bench.disagg_stack import LocalStack, StackFailure, write_tokenizer
 from tandem.bench.engine_models import write_model_dir
+from tandem.bench.metrics_scrape import scrape
 from tandem.client import TandemClient
 
 
@@ -68,6 +73,29 @@ def router_args(args) -> list[str]:
     if args.routing is not None:
         flags += ["--routing", args.routing]
     return flags
+
+
+TTFT_PARTS = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
+TTFT_PART_METRIC = "tandem:time_to_first_token_part_seconds"
+
+
+def ttft_part_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
+    """(seconds, requests) per TTFT part, summed over the router's histogram so far."""
+    totals = {part: (0.0, 0.0) for part in TTFT_PARTS}
+    for sample in scrape(metrics_address):
+        part = sample.labels.get("part")
+        if part in totals and sample.name in (TTFT_PART_METRIC + "_sum",
+                                               TTFT_PART_METRIC + "_count"):
+            seconds, count = totals[part]
+            totals[part] = ((seconds + sample.value, count) if sample.name.endswith("_sum")
+                            else (seconds, count + sample.value))
+    return totals
+
+
+def mean_parts(before: dict, after: dict) -> dict[str, float]:
+    """Each part's mean seconds over the requests observed between two totals."""
+    return {part: (after[part][0] - before[part][0]) / max(1.0, after[part][1] - before[part][1])
+            for part in TTFT_PARTS}
 
 
 def one_request(client: TandemClient, prompt: list[int]) -> tuple[float, float, float]:
@@ -148,8 +176,11 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
                                           args.background_tokens)
             background.wait_for_tokens(20)
         for length in (int(n) for n in args.prompts.split(",")):
+            one_request(client, [rng.randrange(vocab) for _ in range(length)])  # warm-up
+            before = ttft_part_totals(stack.metrics_address)
             samples = [one_request(client, [rng.randrange(vocab) for _ in range(length)])
-                       for _ in range(args.requests + 1)][1:]
+                       for _ in range(args.requests)]
+            parts = mean_parts(before, ttft_part_totals(stack.metrics_address))
             stall = float("nan")
             if background:
                 background.wait_past(samples[-1][2])  # the last handoff's gap, complete
@@ -159,7 +190,7 @@ def run_backend(backend: str, args, model_dir: Path, log_dir: Path, vocab: int) 
                       f"per handoff, ms: {' '.join(f'{s * 1e3:.1f}' for s in stalls)}")
             rows[length] = (statistics.median(first - start for start, first, _ in samples),
                             statistics.median(second - first for _, first, second in samples),
-                            stall)
+                            stall, parts)
             print(f"{backend}: {length}-token prompts done", flush=True)
         if background:
             background.stop()
@@ -195,6 +226,12 @@ def main(argv=None) -> int:
         cells = " ".join(f"{results[b][length][0] * 1e3:18.1f} {results[b][length][1] * 1e3:17.1f}"
                          for b in results)
         print(f"{length:>7} {length * per_token / 2**20:7.0f} {cells}")
+    print("\nTTFT parts as the router splits them, mean ms over the timed requests")
+    print(f"{'backend':>10} {'prompt':>7} " + " ".join(f"{part:>20}" for part in TTFT_PARTS))
+    for b, rows in results.items():
+        for n in args.prompts.split(","):
+            print(f"{b:>10} {n:>7} " + " ".join(f"{rows[int(n)][3][part] * 1e3:20.1f}"
+                                                 for part in TTFT_PARTS))
     if args.background:
         print("\nthe background stream: its median gap (TPOT) and, per prompt length, the "
               "median over handoffs of its longest gap during one, ms")
