@@ -10,6 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.gpu_paged import paged_metadata, rel
+from helpers.moe_cases import random_experts
+
 from tandem.workers.ops.attention import AttentionMetadata, paged_attention_torch
 from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, kv_write, mla_decode, moe_decode,
                                     moe_prefill, paged_decode, rope, silu_and_mul)
@@ -21,11 +24,6 @@ from tandem.workers.ops.rotary import RotaryEmbedding
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def norm_module(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -130,17 +128,10 @@ def paged_metadata_cpu(seq_lens: list[int], block_size: int, num_blocks: int, se
         count = -(-n // block_size)
         tables.append(order[:count])
         order = order[count:]
-    width = max(map(len, tables))
-    starts = list(range(len(seq_lens) + 1))
     slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
              for t, n in zip(tables, seq_lens)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                  dtype=torch.int32),
-        max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_host=starts,
-        seq_lens_host=list(seq_lens))
+    meta = paged_metadata(slots, list(range(len(seq_lens) + 1)), list(seq_lens), tables, 1,
+                          device="cpu")
     return meta, tables
 
 
@@ -192,12 +183,9 @@ def test_mla_decode_attention(num_splits, dtype):
 
 def experts(num_tokens: int, num_experts: int, hidden: int, size: int, dtype: torch.dtype,
             seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(num_experts, 2 * size, hidden, generator=gen) * hidden ** -0.5).to(dtype)
-    w2 = (torch.randn(num_experts, hidden, size, generator=gen) * size ** -0.5).to(dtype)
-    logits = torch.randn(num_tokens, num_experts, generator=gen).to(dtype)
-    return x, w13, w2, logits
+    """helpers.moe_cases.random_experts on the CPU, and router logits from the same draws."""
+    gen, x, w13, w2 = random_experts(num_tokens, num_experts, hidden, size, seed, dtype, "cpu")
+    return x, w13, w2, torch.randn(num_tokens, num_experts, generator=gen).to(dtype)
 
 
 @DTYPES
