@@ -148,7 +148,6 @@ def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 
     a warm-up); with profile, the kernel time table of one more such step."""
     gen = torch.Generator().manual_seed(length)
     vocab = engine.resolved.vocab_size
-    times = []
 
     def prefill_step() -> float:
         prompt = torch.randint(0, vocab, (length,), generator=gen).tolist()
@@ -159,11 +158,8 @@ def bench_prefill(engine, shape, limits: DeviceLimits, length: int, reps: int = 
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
-    for rep in range(reps + 1):  # the first is a warm-up
-        seconds = prefill_step()
-        if rep:
-            times.append(seconds)
-    seconds = statistics.median(times)
+    prefill_step()  # warm-up
+    seconds = statistics.median([prefill_step() for _ in range(reps)])
     flops = shape.prefill_flops(length)
     row = {"ms": seconds * 1e3, "TFLOPs": flops / seconds / 1e12,
            "floor_ms": flops / limits.matmul_flops_per_s * 1e3,
