@@ -46,11 +46,9 @@ class Glm4MoeAttention(LlamaAttention):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.use_qk_norm:
-            return q, k
-        return self.q_norm(q), self.k_norm(k)  # per head, over head_dim
+    @property
+    def qk_norm(self) -> tuple[nn.Module, nn.Module] | None:
+        return (self.q_norm, self.k_norm) if self.use_qk_norm else None  # per head
 
 
 class Glm4MoeRouter(nn.Module):

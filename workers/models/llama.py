@@ -45,9 +45,10 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
                               backend)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k  # Llama has no QK norm; Qwen3 overrides this.
+    @property
+    def qk_norm(self) -> tuple[nn.Module, nn.Module] | None:
+        """(q norm, k norm) over each head's dims, or None: Llama has none; Qwen3 has one."""
+        return None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -63,8 +64,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        out = self.attn(q, k, v, meta, rope=(self.rotary_emb, positions))  # [T, H, D]
+        out = self.attn(q, k, v, meta, rope=(self.rotary_emb, positions),
+                        qk_norm=self.qk_norm)  # [T, H, D]
         return out.reshape(num_tokens, q_size)
 
 

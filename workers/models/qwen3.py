@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from torch import nn
 
 from tandem.workers.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                          LlamaModel)
@@ -19,9 +19,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, backend)
 
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # per head, over head_dim
+    @property
+    def qk_norm(self) -> tuple[nn.Module, nn.Module]:
+        return self.q_norm, self.k_norm  # per head, over head_dim
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -133,18 +133,22 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, rope: tuple[nn.Module, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                meta: AttentionMetadata, rope: tuple[nn.Module, torch.Tensor] | None = None,
+                qk_norm: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D].
 
-        rope = (rotary embedding, positions [T]): q and k are rotated first (on aiter-triton in
-        the same launch as the KV write); without it q and k arrive rotated.
+        qk_norm = (q norm, k norm): RMSNorms over each head's dims, applied first (Qwen3's QK
+        norm). rope = (rotary embedding, positions [T]): q and k are rotated next. On
+        aiter-triton both happen in the launch that writes the KV cache where that kernel
+        supports them. Without rope, q and k arrive rotated.
         """
         if self.k_cache is None:
             raise RuntimeError("Attention.forward before bind_kv_cache")
         if self.backend is KernelBackend.AITER_TRITON:
             from tandem.workers.ops.attention_gpu import attention_forward_gpu
-            return attention_forward_gpu(self, q, k, v, meta, rope)
+            return attention_forward_gpu(self, q, k, v, meta, rope, qk_norm)
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rope is not None:
             rotary, positions = rope
             q, k = rotary(positions, q, k)

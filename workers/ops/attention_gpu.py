@@ -37,7 +37,7 @@ from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
 from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
-from tandem.workers.ops.gpu.rope import rope_and_write_kv
+from tandem.workers.ops.gpu.rope import fuses_qk_norm, rope_and_write_kv
 
 if TYPE_CHECKING:
     from tandem.workers.ops.attention import Attention, AttentionMetadata
@@ -58,15 +58,27 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          meta: AttentionMetadata, rope: tuple | None = None) -> torch.Tensor:
+                          meta: AttentionMetadata, rope: tuple | None = None,
+                          qk_norm: tuple | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's tokens) -> [T, H, D]; writes k/v to the cache.
-    rope (Attention.forward): rotated in place by the launch that writes the cache."""
+    rope and qk_norm (Attention.forward): normed and rotated in place by the launch that writes
+    the cache where that kernel can (gpu/rope.py), else by the modules first."""
     rotary = rope[0] if rope is not None else None
     if rotary is not None and rotary.backend is KernelBackend.AITER_TRITON \
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        fused_norm = None
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            fused_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+            if q_norm.eps != k_norm.eps or not fuses_qk_norm(q, rotary.cos.shape[1],
+                                                              fused_norm):
+                fused_norm = None
+                q, k = q_norm(q), k_norm(k)
         rope_and_write_kv(rope[1], q, k, v, rotary.cos, rotary.sin, rotary.is_neox_style,
-                          layer.k_cache, layer.v_cache, meta.slot_mapping)
+                          layer.k_cache, layer.v_cache, meta.slot_mapping, fused_norm)
     else:
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
             q, k = rotary(rope[1], q, k)
         write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)

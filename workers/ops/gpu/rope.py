@@ -9,6 +9,12 @@ With a KV cache (rope_and_write_kv) the same launch also writes the rotated K an
 the paged cache at slot_mapping[t] (skipped for padding slots < 0, as kv_cache.write_kv_cache):
 one kernel instead of two per layer. The rotated K values are stored from registers to both
 k (in place) and the cache, so no thread reads back another thread's store.
+
+With qk_norm = (q weight, k weight, eps) the launch first applies a per-head RMSNorm to q and k
+(Qwen3's and GLM-4.5's QK norm) in the order norm.RMSNorm uses: normalise in fp32, round to the
+activation dtype, multiply by the weight and round again; RoPE then reads those rounded
+values, as it would read the norm's output tensor. Full rotary only (every dimension of a head
+is in one of the rotated pairs, so the pairs' sums of squares are the head's).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 @triton.jit
 def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
                   HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                  NEOX: tl.constexpr, cache_ptr, stride_cache_head, TO_CACHE: tl.constexpr):
+                  NEOX: tl.constexpr, cache_ptr, stride_cache_head, TO_CACHE: tl.constexpr,
+                  norm_w_ptr, eps, NORM: tl.constexpr):
     offs_h = tl.arange(0, HEADS_PAD)
     offs_i = tl.arange(0, HALF_PAD)
     mask = (offs_h[:, None] < num_heads) & (offs_i[None, :] < HALF)
@@ -35,8 +42,16 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
         second = 2 * offs_i + 1
     p1 = x_ptr + offs_h[:, None] * stride_head + first[None, :]
     p2 = x_ptr + offs_h[:, None] * stride_head + second[None, :]
-    x1 = tl.load(p1, mask=mask).to(tl.float32)
-    x2 = tl.load(p2, mask=mask).to(tl.float32)
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # per-head RMSNorm over the 2 * HALF dims (full rotary), rounded as RMSNorm does
+        dtype = x_ptr.dtype.element_ty
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+                       + eps)[:, None]
+        w1 = tl.load(norm_w_ptr + first, mask=offs_i < HALF).to(tl.float32)[None, :]
+        w2 = tl.load(norm_w_ptr + second, mask=offs_i < HALF).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
     y2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
     tl.store(p1, y1, mask=mask)
@@ -49,7 +64,7 @@ def _rotate_heads(x_ptr, stride_head, num_heads, cos, sin,
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
-                 k_cache_ptr, v_cache_ptr,
+                 k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr, eps,
                  stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
                  stride_v_tok, stride_v_head, stride_table,
                  stride_kc_block, stride_kc_slot, stride_kc_head,
@@ -58,9 +73,10 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                  Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
                  HALF: tl.constexpr, HALF_PAD: tl.constexpr, NEOX: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program per token: rotate its q and k heads in place; with WRITE_KV also store the
-    rotated k (and v) rows at slot_mapping[tok] unless that slot is a padding row (< 0)."""
+                 WRITE_KV: tl.constexpr, QK_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program per token: rotate its q and k heads in place (QK-normed first with
+    QK_NORM); with WRITE_KV also store the rotated k (and v) rows at slot_mapping[tok] unless
+    that slot is a padding row (< 0)."""
     tok = tl.program_id(0)
     wait_for_previous_kernel(USE_PDL)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -68,7 +84,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     cos = tl.load(cos_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     sin = tl.load(sin_ptr + pos * stride_table + offs_i, mask=offs_i < HALF)[None, :]
     _rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, cos, sin,
-                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False)
+                  Q_HEADS_PAD, HALF, HALF_PAD, NEOX, q_ptr, 0, False, q_norm_ptr, eps, QK_NORM)
     k_row = k_ptr + tok * stride_k_tok
     slot = -1
     if WRITE_KV:
@@ -77,7 +93,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
         k_slot = k_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_kc_block, stride_kc_slot)
         v_slot = v_cache_ptr + slot_offset(slot, BLOCK_SIZE, stride_vc_block, stride_vc_slot)
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
-                      HALF_PAD, NEOX, k_slot, stride_kc_head, True)
+                      HALF_PAD, NEOX, k_slot, stride_kc_head, True, k_norm_ptr, eps, QK_NORM)
         offs_h = tl.arange(0, K_HEADS_PAD)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         mask_h = offs_h[:, None] < NUM_K_HEADS
@@ -93,15 +109,22 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
                  v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
     else:  # no cache write (or a padding row): rotate k in place only
         _rotate_heads(k_row, stride_k_head, NUM_K_HEADS, cos, sin, K_HEADS_PAD, HALF,
-                      HALF_PAD, NEOX, k_ptr, 0, False)
+                      HALF_PAD, NEOX, k_ptr, 0, False, k_norm_ptr, eps, QK_NORM)
+
+
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight [D], k weight [D], eps)
 
 
 def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, is_neox_style: bool,
-            kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-            ) -> None:
+            kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            qk_norm: QKNorm | None = None) -> None:
     """kv_write = (v, k_cache, v_cache, slot_mapping) or None (rotate only)."""
     num_tokens, num_kv_heads, head_dim = k.shape
+    half = cos.shape[1]
+    if qk_norm is not None and not fuses_qk_norm(q, half, qk_norm):
+        raise ValueError(f"the fused QK norm needs full rotary ({2 * half} rotated of "
+                         f"{head_dim} dims) and [{head_dim}] weights in {q.dtype}")
     if num_tokens == 0:
         return
     v = kv_write[0] if kv_write is not None else k
@@ -113,10 +136,10 @@ def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         block_size = kc.shape[1]
     else:  # unread: WRITE_KV is off
         kc, vc, slots, cache_strides, block_size = k, k, positions, (0,) * 6, 1
-    half = cos.shape[1]
+    q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)  # unread
     pdl = pdl_enabled(q.device)
     _rope_kernel[(num_tokens,)](
-        q, k, v, positions, cos, sin, slots, kc, vc,
+        q, k, v, positions, cos, sin, slots, kc, vc, q_weight, k_weight, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), *cache_strides, BLOCK_SIZE=block_size, NUM_Q_HEADS=q.shape[1],
         NUM_K_HEADS=num_kv_heads,
@@ -124,7 +147,7 @@ def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        WRITE_KV=kv_write is not None, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        WRITE_KV=kv_write is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
 
 
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -136,6 +159,17 @@ def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def rope_and_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       is_neox_style: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """rotary_embedding_ on q and k, then k and v into caches [blocks, block_size, KVH, D]."""
-    _launch(positions, q, k, cos, sin, is_neox_style, (v, k_cache, v_cache, slot_mapping))
+                      slot_mapping: torch.Tensor, qk_norm: QKNorm | None = None) -> None:
+    """rotary_embedding_ on q and k, then k and v into caches [blocks, block_size, KVH, D];
+    qk_norm (module docstring) normalises q and k per head first, in the same launch."""
+    _launch(positions, q, k, cos, sin, is_neox_style, (v, k_cache, v_cache, slot_mapping),
+            qk_norm)
+
+
+def fuses_qk_norm(q: torch.Tensor, rotary_half: int, qk_norm: QKNorm) -> bool:
+    """Whether rope_and_write_kv can apply this QK norm to q [T, H, D] (and k): full rotary,
+    one weight per dim, weights in q's dtype (RMSNorm's output dtype is then q's)."""
+    q_weight, k_weight, _ = qk_norm
+    head_dim = q.shape[-1]
+    return (2 * rotary_half == head_dim and q_weight.shape == k_weight.shape == (head_dim,)
+            and q_weight.dtype == k_weight.dtype == q.dtype)
