@@ -160,40 +160,6 @@ def test_block_major_caches_write_and_read_like_contiguous_ones():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("neox", [True, False])
-def test_rope_with_fused_qk_norm_matches_norm_then_rope(neox, dtype):
-    """rope_and_write_kv with qk_norm (Qwen3's per-head RMSNorm in the same launch) on q and k
-    viewed out of one qkv tensor: q, k and the cached rows equal RMSNorm -> RoPE -> cache
-    write in torch; v is cached bit for bit and a padding slot writes nothing."""
-    tokens, heads, kv_heads, dim, blocks, block_size = 300, 32, 8, 128, 40, 16
-    params = {"rope_type": "default", "rope_theta": 10000.0}
-    rope = RotaryEmbedding(dim, 4096, params, is_neox_style=neox).to(DEV)
-    norms = [RMSNorm(dim, 1e-6).to(DEV, dtype) for _ in range(2)]
-    for norm in norms:
-        norm.weight.data.uniform_(0.5, 1.5)
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEV) * 3).to(dtype)
-    q = qkv[:, :heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
-    positions = torch.randint(0, 4096, (tokens,), device=DEV)
-    slots = torch.randperm(blocks * block_size, device=DEV)[:tokens]
-    slots[7] = -1
-    stack = torch.zeros(blocks, 2, block_size, kv_heads, dim, device=DEV, dtype=dtype)
-    k_cache, v_cache = stack[:, 0], stack[:, 1]
-    with torch.no_grad():
-        ref_q, ref_k = rope(positions, norms[0](q.clone()), norms[1](k.clone()))
-    keep = slots >= 0
-    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    write_slots(want_k, slots[keep], ref_k[keep])
-    write_slots(want_v, slots[keep], v[keep])
-    rope_and_write_kv(positions, q, k, v, rope.cos, rope.sin, neox, k_cache, v_cache,
-                      slots, (norms[0].weight, norms[1].weight, 1e-6))
-    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
-    assert rel(q, ref_q) <= tol and rel(k, ref_k) <= tol and rel(k_cache, want_k) <= tol
-    assert torch.equal(v_cache, want_v)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("neox, partial", [(True, 1.0), (False, 1.0), (True, 0.5)])
 def test_rope_matches_reference(neox, partial, dtype):
     params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}

@@ -130,10 +130,17 @@ class LlamaDecoderLayer(nn.Module):
         """The same function as forward: five launches plus attention's (small_batch) for a
         dense layer; for another MLP (experts), the attention half fused and the MLP as
         forward runs it."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         qkv, residual = small_batch.norm_linear(hidden, residual, self.input_layernorm,
                                                 attn.qkv_proj)
         hidden = small_batch.linear(attn.attend(positions, qkv, meta), attn.o_proj)
+        return self._mlp_small_batch(hidden, residual)
+
+    def _mlp_small_batch(self, hidden: torch.Tensor, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP half of _forward_small_batch, from the post-attention add + norm on:
+        fused GEMVs for a dense MLP, else the norm and the MLP as forward runs them."""
+        mlp = self.mlp
         if not self._mlp_fusable:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return mlp(hidden), residual

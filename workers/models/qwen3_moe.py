@@ -11,6 +11,7 @@ over experts (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E,
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from tandem.workers.models.llama import LlamaMLP
 from tandem.workers.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
+from tandem.workers.ops import small_batch
 from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.embedding import VocabParallelEmbedding
 from tandem.workers.ops.linear import ReplicatedLinear
@@ -62,7 +64,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, backend=backend)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        router_logits = self.gate(hidden)  # [T, E]
+        return self.route(hidden, self.gate(hidden))
+
+    def route(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts on hidden [T, H] given the router's logits [T, E] -> [T, H]."""
         return self.experts.forward_logits(hidden, router_logits, top_k=self.top_k,
                                            renormalize=self.renormalize)
 
@@ -84,6 +89,22 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         self.mlp = self.build_mlp(config, backend, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+
+    @functools.cached_property
+    def _router_fusable(self) -> bool:
+        """Whether a small batch's post-attention add + norm and the router run as one fused
+        GEMV that also keeps the normed rows for the experts (small_batch.norm_router)."""
+        mlp = self.mlp
+        return isinstance(mlp, SparseMoeBlock) and small_batch.fusable(
+            (self.post_attention_layernorm,), (mlp.gate,))
+
+    def _mlp_small_batch(self, hidden: torch.Tensor, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._router_fusable:
+            return super()._mlp_small_batch(hidden, residual)
+        logits, residual, normed = small_batch.norm_router(
+            hidden, residual, self.post_attention_layernorm, self.mlp.gate)
+        return self.mlp.route(normed, logits), residual
 
     def build_mlp(self, config: Any, backend: KernelBackend, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):

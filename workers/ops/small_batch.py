@@ -41,6 +41,17 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     return y, (x if residual is None else new_residual)
 
 
+def norm_router(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, gate: LinearBase
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate(h), x + residual, h) with h = norm(x + residual) in one launch: a mixture-of-
+    experts layer's router logits, residual stream and the experts' input."""
+    from tandem.workers.ops.gpu.decode_gemv import fused_gemv
+    normed = torch.empty_like(x)
+    logits, new_residual = fused_gemv(x, gate.weight, residual=residual,
+                                      norm_weight=norm.weight, eps=norm.eps, normed_out=normed)
+    return logits, new_residual, normed
+
+
 def linear(x: torch.Tensor, layer: LinearBase) -> torch.Tensor:
     """layer(x); a row-parallel layer's partial sums are all-reduced over the TP group, as
     RowParallelLinear.forward does."""

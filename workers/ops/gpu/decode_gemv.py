@@ -5,12 +5,14 @@ small elementwise kernels between them, whose launches and gaps are a large shar
 model's step on an H100 or H200. One kernel here does
 
     residual' = x + residual                          (HAS_RESIDUAL; written by program 0)
-    h         = rms_norm(residual') * norm_weight       (HAS_NORM)
+    h         = rms_norm(residual') * norm_weight       (HAS_NORM; WRITE_NORMED: program 0
+                                                         also stores h, rounded as RMSNorm)
     y         = h W^T                                   (always)
     act       = silu(y[:I]) * y[I:]                     (SILU_MUL: W = [gate | up], I rows each)
 
 so a layer runs [add+norm+qkv] [rope+KV write] [attention] [o_proj] [add+norm+gate_up+silu]
-[down], each launched with PDL (pdl.py): the first weight tile is requested before waiting for
+[down] (a mixture-of-experts layer: [add+norm+router, h kept for the experts] [experts...]),
+each launched with PDL (pdl.py): the first weight tile is requested before waiting for
 the previous kernel, so the weight stream starts while that kernel finishes.
 
 Numerics: the RMS statistic is applied after the dot, y = rstd * ((residual' * norm_weight) W^T),
@@ -56,10 +58,11 @@ def _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k0, K, w, wu, acc, acc_
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
+def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed_ptr,
                  N, K, up_offset, eps, stride_w,
                  HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 WRITE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -92,6 +95,17 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr,
         rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         acc = acc * rstd
         acc_up = acc_up * rstd
+        if WRITE_NORMED and pid == 0:  # h for a consumer other than W: normalise, round, scale
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                if HAS_RESIDUAL:  # the inputs, as the sum was formed above (never written)
+                    r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                nw = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                h = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw
+                tl.store(normed_ptr + offs_k, h.to(normed_ptr.dtype.element_ty), mask=mask_k)
     y = acc
     if SILU_MUL:  # on the gate and up values rounded as the unfused path stores them
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -111,14 +125,16 @@ def default_config(n: int, k: int, silu_mul: bool) -> dict:
 
 def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None,
                norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-               silu_mul: bool = False, config: dict | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               silu_mul: bool = False, normed_out: torch.Tensor | None = None,
+               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [1, K], weight [N, K] (row-major) -> (y [1, N'], new residual or None).
 
     residual [1, K]: the add before the norm; its sum is returned as a new tensor (not written
     in place: other programs are still reading the old one). norm_weight [K]: RMS-normalize
     (x + residual) first. silu_mul: weight holds [gate | up] (N even) and y is
-    silu(gate) * up, N' = N / 2.
+    silu(gate) * up, N' = N / 2. normed_out [1, K] (with norm_weight): receives the normalised
+    row as RMSNorm computes it (normalise in fp32, round, scale by the weight, round), for a
+    consumer other than this weight (the experts beside a router).
     """
     rows, k = x.shape
     n_total = weight.shape[0]
@@ -127,7 +143,11 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
                          f"{tuple(x.shape)}")
     if silu_mul and n_total % 2:
         raise ValueError(f"silu_mul needs [gate | up] rows, got {n_total}")
-    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+    if normed_out is not None and (norm_weight is None or normed_out.shape != x.shape
+                                   or normed_out.dtype != x.dtype):
+        raise ValueError("normed_out needs norm_weight and x's shape and dtype")
+    for name, t in (("x", x), ("weight", weight), ("residual", residual),
+                    ("normed_out", normed_out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"fused_gemv needs {name} with contiguous columns")
     n = n_total // 2 if silu_mul else n_total
@@ -138,8 +158,8 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, residual if residual is not None else x, res_out if res_out is not None else x,
         norm_weight if norm_weight is not None else x, weight, out,
-        n, k, n if silu_mul else 0, eps, weight.stride(0),
-        HAS_RESIDUAL=residual is not None, HAS_NORM=norm_weight is not None,
-        SILU_MUL=silu_mul, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], USE_PDL=pdl,
+        normed_out if normed_out is not None else out, n, k, n if silu_mul else 0, eps,
+        weight.stride(0), HAS_RESIDUAL=residual is not None, HAS_NORM=norm_weight is not None,
+        SILU_MUL=silu_mul, WRITE_NORMED=normed_out is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], USE_PDL=pdl,
         launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, res_out
