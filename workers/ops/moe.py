@@ -296,11 +296,19 @@ class FusedMoE(nn.Module):
 
     def forward_logits(self, hidden: torch.Tensor, router_logits: torch.Tensor, *, top_k: int,
                        renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
-        """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts."""
+        """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts. On
+        aiter-triton without expert parallelism the routing is one launch of
+        moe_decode.route (one program per token) at any batch, not torch's five."""
         if self._takes_decode_path(hidden.shape[0], top_k):
             return self._decode_kernels(hidden, router_logits=router_logits, top_k=top_k,
                                         renormalize=renormalize)
-        topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize=renormalize)
+        if self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None \
+                and router_logits.is_cuda:
+            from tandem.workers.ops.gpu.moe_decode import route  # needs triton
+            topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+        else:
+            topk_weights, topk_ids = select_experts(router_logits, top_k,
+                                                    renormalize=renormalize)
         return self(hidden, topk_weights, topk_ids)
 
     def _decode_kernels(self, hidden: torch.Tensor, **routing: object) -> torch.Tensor:
