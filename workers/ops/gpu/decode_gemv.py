@@ -95,17 +95,19 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
         rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         acc = acc * rstd
         acc_up = acc_up * rstd
-        if WRITE_NORMED and pid == 0:  # h for a consumer other than W: normalise, round, scale
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-                if HAS_RESIDUAL:  # the inputs, as the sum was formed above (never written)
-                    r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                nw = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                h = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * nw
-                tl.store(normed_ptr + offs_k, h.to(normed_ptr.dtype.element_ty), mask=mask_k)
+        if WRITE_NORMED:  # h for a consumer other than W: normalise, round, scale
+            if pid == 0:
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < K
+                    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                    if HAS_RESIDUAL:  # the inputs, summed as above (neither is written)
+                        r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
+                        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    nw = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+                    h = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    tl.store(normed_ptr + offs_k, (h * nw).to(normed_ptr.dtype.element_ty),
+                             mask=mask_k)
     y = acc
     if SILU_MUL:  # on the gate and up values rounded as the unfused path stores them
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
