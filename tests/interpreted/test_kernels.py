@@ -76,6 +76,30 @@ def test_rope_and_kv_write(neox, partial, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("neox", [True, False])
+def test_rope_with_qk_norm(neox, dtype):
+    """Qwen3's QK norm in the RoPE + KV-write launch: q, k and the cache as RMSNorm -> RoPE ->
+    cache write give them."""
+    torch.manual_seed(11)
+    rotary = RotaryEmbedding(32, 256, {"rope_type": "default", "rope_theta": 10000.0},
+                             is_neox_style=neox)
+    norms = norm_module(32, dtype, 12), norm_module(32, dtype, 13)
+    qkv = (torch.randn(5, (4 + 2 * 2) * 32) * 3).to(dtype)
+    q, k, v = (t.view(5, -1, 32) for t in qkv.split([128, 64, 64], dim=-1))
+    positions = torch.randint(0, 256, (5,))
+    slots = torch.tensor([3, 17, -1, 8, 0])
+    caches = [torch.zeros(5, 4, 2, 32, dtype=dtype) for _ in range(3)]
+    with torch.no_grad():
+        ref_q, ref_k = rotary(positions, norms[0](q.clone()), norms[1](k.clone()))
+    real = slots >= 0
+    write_slots(caches[0], slots[real], ref_k[real])
+    rope.rope_and_write_kv(positions, q, k, v, rotary.cos, rotary.sin, neox, caches[1],
+                           caches[2], slots, (norms[0].weight.data, norms[1].weight.data, 1e-6))
+    assert rel(q, ref_q) <= TOL[dtype] and rel(k, ref_k) <= TOL[dtype]
+    assert rel(caches[1], caches[0]) <= TOL[dtype]
+
+
+@DTYPES
 def test_kv_write_skips_padding_slots(dtype):
     torch.manual_seed(2)
     k, v = torch.randn(5, 2, 16).to(dtype), torch.randn(5, 2, 16).to(dtype)
@@ -117,6 +141,23 @@ def test_fused_gemv(fuse_norm, silu_mul, dtype):
     assert rel(got, want) <= TOL[dtype]
     if fuse_norm:
         assert torch.equal(new_residual, want_residual)
+
+
+@DTYPES
+def test_fused_gemv_keeps_the_normed_row(dtype):
+    """normed_out (a MoE router's GEMV keeping the experts' input): RMSNorm's output exactly."""
+    torch.manual_seed(14)
+    x, residual = torch.randn(1, 200).to(dtype), torch.randn(1, 200).to(dtype)
+    weight = (torch.randn(16, 200) / 200 ** 0.5).to(dtype)
+    norm = norm_module(200, dtype, 15)
+    with torch.no_grad():
+        want_normed, want_residual = norm(x, residual.clone())
+    normed = torch.full_like(x, float("nan"))
+    logits, new_residual = decode_gemv.fused_gemv(
+        x, weight, residual=residual, norm_weight=norm.weight.data, eps=1e-6, normed_out=normed,
+        config={"block_n": 8, "block_k": 64, "num_warps": 4, "num_stages": 1})
+    assert torch.equal(normed, want_normed) and torch.equal(new_residual, want_residual)
+    assert rel(logits, F.linear(want_normed.float(), weight.float())) <= TOL[dtype]
 
 
 def paged_metadata_cpu(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
@@ -189,7 +230,7 @@ def experts(num_tokens: int, num_experts: int, hidden: int, size: int, dtype: to
 
 
 @DTYPES
-@pytest.mark.parametrize("num_tokens, top_k", [(1, 4), (3, 2), (6, 1)])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 4), (1, 1), (1, 8), (3, 2), (6, 1)])
 def test_moe_decode(num_tokens, top_k, dtype):
     x, w13, w2, logits = experts(num_tokens, 8, 48, 24, dtype, seed=num_tokens)
     weights, ids = select_experts(logits, top_k, renormalize=True)
