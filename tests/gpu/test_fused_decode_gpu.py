@@ -73,8 +73,9 @@ def test_fused_gemv_matches_unfused_ops(n, k, silu_mul, fuse_norm, dtype):
 @pytest.mark.parametrize("n, k", [(128, 2048), (8, 4096), (77, 96)])
 def test_fused_gemv_keeps_the_normed_row(n, k, dtype):
     """normed_out (small_batch.norm_router: a MoE router and the experts' input in one
-    launch): the normed row equals RMSNorm's output bit for bit, the residual sum is exact and
-    the logits match the unfused ops as without it."""
+    launch): the normed row equals RMSNorm's output (bit for bit in bf16; in fp32 within
+    rounding, as the two kernels add the squares in different orders), the residual sum is
+    exact and the logits match the unfused ops as without it."""
     gen = torch.Generator(device=DEV).manual_seed(n * k)
     x = torch.randn(1, k, generator=gen, device=DEV).to(dtype)
     residual = torch.randn(1, k, generator=gen, device=DEV).to(dtype)
@@ -86,7 +87,11 @@ def test_fused_gemv_keeps_the_normed_row(n, k, dtype):
     normed = torch.full_like(x, float("nan"))
     out, new_residual = fused_gemv(x, weight, residual=residual, norm_weight=norm.weight,
                                    eps=1e-6, normed_out=normed)
-    assert torch.equal(normed, ref_normed) and torch.equal(new_residual, ref_residual)
+    assert torch.equal(new_residual, ref_residual)
+    if dtype == torch.bfloat16:
+        assert torch.equal(normed, ref_normed)
+    else:
+        assert rel(normed, ref_normed) <= 1e-6
     assert rel(out, F.linear(ref_normed, weight)) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
