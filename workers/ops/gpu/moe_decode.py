@@ -20,7 +20,9 @@ weights once per block of 16 pairs. Here a layer runs as
 Each chosen expert's weights are read once per step however many tokens chose it (the grid's
 first axis walks experts, not pairs), so the step is bound by the distinct experts' bytes.
 Nothing is sorted: an expert's program finds its own pairs. Every size the grid depends on is
-known on the host from the token count, so a call captures in a CUDA graph.
+known on the host from the token count, so a call captures in a CUDA graph. Each launch uses
+programmatic dependent launch where it is on (pdl.py): a kernel starts while the previous one
+drains and waits for it before its first read of anything a kernel wrote.
 
 Numerics: fp32 accumulation; gate and up are rounded to the activation dtype before
 silu(gate) * up, as the unfused path stores them; each weighted expert output is rounded to the
@@ -32,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
+
 # Largest token count * top_k these kernels take: every expert program scans all the pairs'
 # expert ids, and beyond about a thousand pairs AITER's grouped GEMMs are the better tool.
 MAX_PAIRS = 1024
@@ -39,12 +43,14 @@ MAX_PAIRS = 1024
 
 @triton.jit
 def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     """One program per token: softmax over the E logits, the TOP_K best (weights fp32, ids
     int32, best first), optionally renormalised to sum to 1."""
     token = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     is_expert = experts < E
+    wait_for_previous_kernel(USE_PDL)  # the logits come from the router's GEMV
     x = tl.load(logits_ptr + token * stride_logits + experts, mask=is_expert,
                 other=float("-inf")).to(tl.float32)
     ex = tl.where(is_expert, tl.exp(x - tl.max(x, 0)), 0.0)
@@ -82,10 +88,12 @@ def _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, WRITE: tl.constexpr
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I, stride_x,
                     stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for expert
     e = program_id(0), the pairs that chose it, and BLOCK_N of the I columns."""
     expert = tl.program_id(0)
+    wait_for_previous_kernel(USE_PDL)  # the ids come from the route kernel
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, True, BLOCK_P)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
@@ -119,11 +127,12 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I,
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_pairs, K, N,
                  stride_act, stride_we, stride_wn, stride_out, BLOCK_P: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for expert e = program_id(0), the
     pairs that chose it (listed in sorted by the gate_up kernel), and BLOCK_N of the N (hidden)
     columns."""
     expert = tl.program_id(0)
+    wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -150,12 +159,13 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = sum over j of y[t * TOP_K + j, n], in fp32."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slots = tl.arange(0, BLOCK_TOPK)
     mask = (slots < TOP_K)[:, None] & (offs_n < N)[None, :]
+    wait_for_previous_kernel(USE_PDL)  # y comes from the down kernel
     y = tl.load(y_ptr + (token * TOP_K + slots).to(tl.int64)[:, None] * N + offs_n[None, :],
                 mask=mask, other=0.0)
     tl.store(out_ptr + token.to(tl.int64) * N + offs_n,
@@ -190,10 +200,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    pdl = pdl_enabled(router_logits.device)
     _route_kernel[(num_tokens,)](
         router_logits, router_logits.stride(0), weights, ids, num_experts, TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4)
+        BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return weights, ids
 
 
@@ -239,23 +250,26 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     block_p = triton.next_power_of_2(num_pairs)
     precision = dot_precision(hidden.dtype)
     device = hidden.device
+    pdl = pdl_enabled(device)
     sorted_ids = torch.empty(num_experts * num_pairs, dtype=torch.int32, device=device)
     act = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
     _gate_up_kernel[(num_experts, triton.cdiv(size, cfg["gate_up_block_n"]))](
         hidden, w13, act, topk_ids, sorted_ids, num_pairs, hidden_size, size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_P=block_p,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["gate_up_block_n"], BLOCK_K=cfg["block_k"],
-        DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=device)
     _down_kernel[(num_experts, triton.cdiv(hidden_size, cfg["down_block_n"]))](
         act, w2, pair_out, topk_weights, topk_ids, sorted_ids, num_pairs, size, hidden_size,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), BLOCK_P=block_p,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        DOT_PRECISION=precision, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if top_k == 1:
         return pair_out
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
         pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=512, num_warps=4)
+        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
