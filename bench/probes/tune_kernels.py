@@ -8,9 +8,12 @@ CUDA-graph replays (bench/engine_limits.time_graphed). The defaults in
 workers/ops/gpu/paged_decode.py come from this table; rerun it on a new GPU.
 
     python bench/probes/tune_kernels.py --gemv     # only the fused GEMV sweep
+    python bench/probes/tune_kernels.py --gemv qwen3-30b-a3b   # at that model's shapes
 
 The fused small-batch GEMV (workers/ops/gpu/decode_gemv.py): block_n x block_k x warps x
-stages at Llama-8B's four projections for one row; default_config there comes from it.
+stages at Llama-8B's four projections for one row (default_config there comes from it), or at
+Qwen3-30B-A3B's batch-1 GEMVs: qkv, o, and the router that also keeps the normed row for the
+experts (small_batch.norm_router).
 (A split-K Triton GEMM for 1-16 rows was tried before it, without fusion: it won only on
 o_proj, 15.3 vs 16.5 us on an H100, and was not kept.)
 """
@@ -85,15 +88,25 @@ GEMV_SPACE = [(*shape, 3) for shape in itertools.product((4, 8, 16), (512, 1024)
     if not (shape[1] == 1024 and shape[2] == 8 and shape[3] == 3)]
 
 
-def tune_gemv(copy_bps: float) -> list[str]:
-    """The one-row fused GEMV at Llama-8B's projections (engine_ops.PROJECTIONS), cold weights."""
+# name -> (N, K, add + RMSNorm first, SiLU * mul, keeps the normed row)
+GEMV_SHAPES = {
+    "llama3-8b": {name: (*shape, False) for name, shape in PROJECTIONS.items()},
+    "qwen3-30b-a3b": {"qkv": (5120, 2048, True, False, False),
+                      "o": (2048, 4096, False, False, False),
+                      "router": (128, 2048, True, False, True)},
+}
+
+
+def tune_gemv(copy_bps: float, model: str = "llama3-8b") -> list[str]:
+    """The one-row fused GEMV at a model's batch-1 shapes (GEMV_SHAPES), cold weights."""
     lines = []
-    for name, (n, k, norm, silu) in PROJECTIONS.items():
+    for name, (n, k, norm, silu, keeps_normed) in GEMV_SHAPES[model].items():
         weights = [torch.randn(n, k, device="cuda", dtype=BF16)
                    for _ in range(copies_to_defeat_l2(n * k * 2))]
         norm_weight = torch.ones(k, device="cuda", dtype=BF16) if norm else None
         x = torch.randn(1, k, device="cuda", dtype=BF16)
         res = torch.randn_like(x) if norm else None
+        normed = torch.empty_like(x) if keeps_normed else None
         results = []
         default = default_config(n // 2 if silu else n, k, silu)
         for block_n, block_k, warps, stages in GEMV_SPACE:
@@ -102,7 +115,7 @@ def tune_gemv(copy_bps: float) -> list[str]:
             try:
                 seconds = time_graphed(lambda i: fused_gemv(
                     x, weights[i % len(weights)], residual=res, norm_weight=norm_weight,
-                    silu_mul=silu, config=cfg), reps=5)
+                    silu_mul=silu, normed_out=normed, config=cfg), reps=5)
             except Exception as exc:  # e.g. out of shared memory: skip the config
                 lines.append(f"gemv {name} {cfg}: {type(exc).__name__}")
                 continue
@@ -118,10 +131,17 @@ def tune_gemv(copy_bps: float) -> list[str]:
 
 
 def main() -> int:
+    args = sys.argv[1:]
+    gemv_only = "--gemv" in args
+    rest = args[args.index("--gemv") + 1:] if gemv_only else []
+    model = rest[0] if rest else "llama3-8b"
+    if model not in GEMV_SHAPES:
+        print(f"unknown model {model!r}; one of {', '.join(GEMV_SHAPES)}", file=sys.stderr)
+        return 2
     limits = measure_limits()
     lines = [f"{limits.name}: copy {limits.copy_bytes_per_s / 1e12:.2f} TB/s"]
-    if "--gemv" in sys.argv[1:]:
-        print("\n".join(lines + tune_gemv(limits.copy_bytes_per_s)))
+    if gemv_only:
+        print("\n".join(lines + tune_gemv(limits.copy_bytes_per_s, model)))
         return 0
     lines += tune_attention(limits.copy_bytes_per_s)
     lines += compare_matmul_forms(limits.copy_bytes_per_s)
