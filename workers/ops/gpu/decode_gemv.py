@@ -162,6 +162,7 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
         norm_weight if norm_weight is not None else x, weight, out,
         normed_out if normed_out is not None else out, n, k, n if silu_mul else 0, eps,
         weight.stride(0), HAS_RESIDUAL=residual is not None, HAS_NORM=norm_weight is not None,
-        SILU_MUL=silu_mul, WRITE_NORMED=normed_out is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], USE_PDL=pdl,
-        launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SILU_MUL=silu_mul, WRITE_NORMED=normed_out is not None, BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out, res_out

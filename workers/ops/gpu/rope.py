@@ -147,7 +147,8 @@ def _launch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
         K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), NEOX=is_neox_style,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        WRITE_KV=kv_write is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        WRITE_KV=kv_write is not None, QK_NORM=qk_norm is not None, USE_PDL=pdl,
+        launch_pdl=pdl, num_warps=4)
 
 
 def rotary_embedding_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
