@@ -64,21 +64,15 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
     rope and qk_norm (Attention.forward): normed and rotated in place by the launch that writes
     the cache where that kernel can (gpu/rope.py), else by the modules first."""
     rotary = rope[0] if rope is not None else None
-    if rotary is not None and rotary.backend is KernelBackend.AITER_TRITON \
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
-        fused_norm = None
-        if qk_norm is not None:
-            q_norm, k_norm = qk_norm
-            fused_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
-            if q_norm.eps != k_norm.eps or not fuses_qk_norm(q, rotary.cos.shape[1],
-                                                              fused_norm):
-                fused_norm = None
-                q, k = q_norm(q), k_norm(k)
+    in_kv_write = rotary is not None and rotary.backend is KernelBackend.AITER_TRITON \
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    fused_norm = _fused_qk_norm(q, rotary, qk_norm) if in_kv_write else None
+    if qk_norm is not None and fused_norm is None:
+        q, k = qk_norm[0](q), qk_norm[1](k)
+    if in_kv_write:
         rope_and_write_kv(rope[1], q, k, v, rotary.cos, rotary.sin, rotary.is_neox_style,
                           layer.k_cache, layer.v_cache, meta.slot_mapping, fused_norm)
     else:
-        if qk_norm is not None:
-            q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
             q, k = rotary(rope[1], q, k)
         write_kv_cache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping)
@@ -142,6 +136,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = num_splits_for(num_seqs, k_cache.shape[2], meta.max_seq_len, sms)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                   num_splits=splits, sliding_window=sliding_window, sinks=sinks)
+
+
+def _fused_qk_norm(q: torch.Tensor, rotary, qk_norm: tuple | None) -> tuple | None:
+    """qk_norm's (q weight, k weight, eps) for rope_and_write_kv where that kernel can apply
+    it (one eps for both, gpu/rope.fuses_qk_norm), else None: the modules run first."""
+    if qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    fused = (q_norm.weight, k_norm.weight, q_norm.eps)
+    return fused if q_norm.eps == k_norm.eps and fuses_qk_norm(q, rotary.cos.shape[1], fused) \
+        else None
 
 
 def _nothing_cached(meta: AttentionMetadata) -> bool:
