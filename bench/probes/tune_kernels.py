@@ -82,10 +82,12 @@ def compare_matmul_forms(copy_bps: float) -> list[str]:
 # block_n x block_k x warps x stages. On an H100 a sweep of
 # (4, 8, 16) x (256, 512, 1024) x (4, 8) x (3,); 256-wide K and 4 warps never won there. An
 # H200 moves 1.5x the bytes per second, so it needs more in flight: wider K, more warps and
-# deeper pipelines are in the space too.
-GEMV_SPACE = [(*shape, 3) for shape in itertools.product((4, 8, 16), (512, 1024), (4, 8))] + [
-    shape for shape in itertools.product((4, 8, 16), (1024, 2048), (8, 16), (2, 3, 4))
-    if not (shape[1] == 1024 and shape[2] == 8 and shape[3] == 3)]
+# deeper pipelines are in the space too. One or two columns a program are for shapes with few
+# output columns (a router's 128, Qwen3-30B-A3B's o_proj 2048), where 8 leave SMs idle.
+GEMV_SPACE = sorted(set(
+    [(*shape, 3) for shape in itertools.product((4, 8, 16), (512, 1024), (4, 8))]
+    + list(itertools.product((4, 8, 16), (1024, 2048), (8, 16), (2, 3, 4)))
+    + list(itertools.product((1, 2), (512, 1024, 2048), (4, 8), (2, 3)))))
 
 
 # name -> (N, K, add + RMSNorm first, SiLU * mul, keeps the normed row)

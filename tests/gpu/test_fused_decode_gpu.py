@@ -50,7 +50,8 @@ def unfused(x, weight, residual, norm_weight, silu_mul):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n, k, silu_mul", [(6144, 4096, False), (28672, 4096, True),
                                             (4096, 14336, False), (200, 328, True),
-                                            (77, 96, False)])
+                                            (77, 96, False), (5120, 2048, False),
+                                            (2048, 4096, False), (128, 2048, False)])
 @pytest.mark.parametrize("fuse_norm", [False, True])
 def test_fused_gemv_matches_unfused_ops(n, k, silu_mul, fuse_norm, dtype):
     rows = 1

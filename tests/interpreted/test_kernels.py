@@ -120,7 +120,8 @@ def test_silu_and_mul(dtype):
 
 @DTYPES
 @pytest.mark.parametrize("fuse_norm, silu_mul", [(False, False), (True, False), (True, True)])
-def test_fused_gemv(fuse_norm, silu_mul, dtype):
+@pytest.mark.parametrize("block_n", [1, 2, 8])
+def test_fused_gemv(fuse_norm, silu_mul, block_n, dtype):
     torch.manual_seed(3)
     x = torch.randn(1, 160).to(dtype)
     weight = (torch.randn(48, 160) / 160 ** 0.5).to(dtype)
@@ -137,15 +138,18 @@ def test_fused_gemv(fuse_norm, silu_mul, dtype):
     got, new_residual = decode_gemv.fused_gemv(
         x, weight, residual=residual, norm_weight=norm.weight.data if fuse_norm else None,
         eps=1e-6, silu_mul=silu_mul,
-        config={"block_n": 8, "block_k": 64, "num_warps": 4, "num_stages": 1})
+        config={"block_n": block_n, "block_k": 64, "num_warps": 4, "num_stages": 1})
     assert rel(got, want) <= TOL[dtype]
     if fuse_norm:
         assert torch.equal(new_residual, want_residual)
 
 
 @DTYPES
-def test_fused_gemv_keeps_the_normed_row(dtype):
-    """normed_out (a MoE router's GEMV keeping the experts' input): RMSNorm's output exactly."""
+@pytest.mark.parametrize("config", [None, {"block_n": 8, "block_k": 64, "num_warps": 4,
+                                           "num_stages": 1}])
+def test_fused_gemv_keeps_the_normed_row(config, dtype):
+    """normed_out (a MoE router's GEMV keeping the experts' input): RMSNorm's output exactly,
+    with the default settings for a narrow output (one column a program) and with 8 columns."""
     torch.manual_seed(14)
     x, residual = torch.randn(1, 200).to(dtype), torch.randn(1, 200).to(dtype)
     weight = (torch.randn(16, 200) / 200 ** 0.5).to(dtype)
@@ -155,7 +159,7 @@ def test_fused_gemv_keeps_the_normed_row(dtype):
     normed = torch.full_like(x, float("nan"))
     logits, new_residual = decode_gemv.fused_gemv(
         x, weight, residual=residual, norm_weight=norm.weight.data, eps=1e-6, normed_out=normed,
-        config={"block_n": 8, "block_k": 64, "num_warps": 4, "num_stages": 1})
+        config=config)
     assert torch.equal(normed, want_normed) and torch.equal(new_residual, want_residual)
     assert rel(logits, F.linear(want_normed.float(), weight.float())) <= TOL[dtype]
 

@@ -116,11 +116,33 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+# Launch settings measured best at shapes whose best differs from the general default:
+# `python bench/probes/tune_kernels.py --gemv qwen3-30b-a3b` on an H100 (bench/RESULTS.md,
+# tune_kernels). Keyed by (output columns, K, silu_mul).
+_TUNED = {
+    (5120, 2048, False): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 3},
+    (2048, 4096, False): {"block_n": 2, "block_k": 2048, "num_warps": 8, "num_stages": 2},
+}
+# At most this many output columns (a MoE router's logits): one column per program and whole-K
+# slices, so the few columns still spread over many programs.
+NARROW_N = 256
+
+
 def default_config(n: int, k: int, silu_mul: bool) -> dict:
-    """Launch settings, the best of `python bench/probes/tune_kernels.py --gemv` at
-    Llama-8B's projections on an H100 and within a few percent of the best on an H200
-    (bench/RESULTS.md, tune_kernels): 1024-wide K slices, 8 warps, 8 output columns per
-    program (4 gate + 4 up columns for SILU_MUL)."""
+    """Launch settings for an [n (output columns), k] GEMV, from `python
+    bench/probes/tune_kernels.py --gemv [MODEL]` (bench/RESULTS.md, tune_kernels):
+    - the shapes in _TUNED (Qwen3-30B-A3B's qkv and o) take their measured best;
+    - narrow outputs (n <= NARROW_N, a router's logits) one column per program, which at
+      Qwen3-30B-A3B's 128x2048 router takes 1.9 us against 2.9 us with 8 columns;
+    - everything else the best at Llama-8B's projections on an H100, within a few percent of
+      the best on an H200: 1024-wide K slices, 8 warps, 8 output columns per program (4 gate
+      + 4 up columns for SILU_MUL)."""
+    tuned = _TUNED.get((n, k, silu_mul))
+    if tuned is not None:
+        return dict(tuned)
+    if n <= NARROW_N and not silu_mul:
+        return {"block_n": 1, "block_k": min(2048, triton.next_power_of_2(k)), "num_warps": 4,
+                "num_stages": 2}
     return {"block_n": 4 if silu_mul else 8, "block_k": 1024, "num_warps": 8,
             "num_stages": 3}
 
