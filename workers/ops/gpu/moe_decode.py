@@ -17,6 +17,10 @@ weights once per block of 16 pairs. Here a layer runs as
     [sum over k]      one program per (token, 512 columns): each token's k weighted expert
                       outputs added
 
+A single token (config `one_token`) runs on a (slot, columns) grid instead: top_k x column-block
+programs, every one of them working, with the routing inside the gate_up launch, then down and
+the sum over k.
+
 Each chosen expert's weights are read once per step however many tokens chose it (the grid's
 first axis walks experts, not pairs), so the step is bound by the distinct experts' bytes.
 Nothing is sorted: an expert's program finds its own pairs. Every size the grid depends on is
@@ -158,6 +162,86 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
 
 
 @triton.jit
+def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, ids_ptr, E, K, I,
+                              stride_we, stride_wn, FROM_LOGITS: tl.constexpr,
+                              TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              USE_PDL: tl.constexpr):
+    """One token: act[slot, n] = silu(x . w[e, n]) * (x . w[e, I + n]) for the expert e of
+    slot = program_id(0) and BLOCK_N of the I columns. FROM_LOGITS: every program routes the
+    token itself (softmax, top-k, renormalise over E logits, as _route_kernel) and program
+    (0, 0) stores the weights and ids for the down kernel; else it reads its slot's id."""
+    slot = tl.program_id(0)
+    wait_for_previous_kernel(USE_PDL)  # the logits or ids come from the previous kernel
+    if FROM_LOGITS:
+        experts = tl.arange(0, BLOCK_E)
+        is_expert = experts < E
+        logit = tl.load(logits_ptr + experts, mask=is_expert, other=float("-inf"))
+        ex = tl.where(is_expert, tl.exp(logit.to(tl.float32) - tl.max(logit.to(tl.float32), 0)),
+                      0.0)
+        score = tl.where(is_expert, ex / tl.sum(ex, 0), -1.0)
+        slots = tl.arange(0, BLOCK_TOPK)
+        top_w = tl.zeros([BLOCK_TOPK], tl.float32)
+        top_i = tl.zeros([BLOCK_TOPK], tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(score, 0)
+            top_w = tl.where(slots == j, tl.max(score, 0), top_w)
+            top_i = tl.where(slots == j, best.to(tl.int32), top_i)
+            score = tl.where(experts == best, -2.0, score)
+        if RENORMALIZE:
+            top_w = top_w / tl.sum(top_w, 0)
+        if (slot == 0) & (tl.program_id(1) == 0):
+            tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
+            tl.store(ids_ptr + slots, top_i, mask=slots < TOP_K)
+        expert = tl.sum(tl.where(slots == slot, top_i, 0), 0)
+    else:
+        expert = tl.load(ids_ptr + slot)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    acc_gate = tl.zeros([BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w_gate = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], 1)
+        acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], 1)
+    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + slot * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, stride_we,
+                           stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """One token: out[slot, n] = weight[slot] * (act[slot] . w[e, n]) for the expert e of
+    slot = program_id(0) and BLOCK_N of the N (hidden) columns."""
+    slot = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    wait_for_previous_kernel(USE_PDL)  # act, ids and weights come from the gate_up kernel
+    expert = tl.load(ids_ptr + slot)
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(act_ptr + slot * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    y = acc * tl.load(weights_ptr + slot)
+    tl.store(out_ptr + slot * N + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                       BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = sum over j of y[t * TOP_K + j, n], in fp32."""
@@ -181,10 +265,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def default_config(num_pairs: int) -> dict[str, int]:
     """Block sizes and warps for the two expert kernels: the best of
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
-    percent of each other; 16-row blocks since decode experts see a handful of tokens each)."""
+    percent of each other; 16-row blocks since decode experts see a handful of tokens each).
+    `one_token` (a single token on the (slot, columns) grid, _one_token_moe, with the same
+    block keys) is off: the expert grid is the measured default; moe_layer.py sweeps both."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
     return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
-            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages}
+            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
+            "one_token": False}
 
 
 def fits(num_tokens: int, top_k: int) -> bool:
@@ -206,6 +293,50 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
         RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return weights, ids
+
+
+def _sum_slots(pair_out: torch.Tensor, num_tokens: int, top_k: int, pdl: bool) -> torch.Tensor:
+    """[T * k, H] weighted expert outputs -> [T, H], each token's k rows added in fp32."""
+    hidden_size = pair_out.shape[1]
+    out = torch.empty(num_tokens, hidden_size, dtype=pair_out.dtype, device=pair_out.device)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
+        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return out
+
+
+def _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weights, topk_ids,
+                   cfg) -> torch.Tensor:
+    """decode_moe for one token on a (slot, columns) grid: top_k x column-block programs, all
+    of them working, where the expert grid launches num_experts x column blocks and all but
+    top_k rows of it stop at their scan. Routing (from logits) runs inside the gate_up launch,
+    so a layer is three launches. Each projection is a multiply-and-sum per column (one row: no
+    tensor cores), fp32 accumulation, the same roundings as the expert grid."""
+    hidden_size = hidden.shape[1]
+    num_experts, size = w13.shape[0], w13.shape[1] // 2
+    device = hidden.device
+    pdl = pdl_enabled(device)
+    from_logits = router_logits is not None
+    if from_logits:
+        topk_weights = torch.empty(1, top_k, dtype=torch.float32, device=device)
+        topk_ids = torch.empty(1, top_k, dtype=torch.int32, device=device)
+        logits = router_logits.contiguous()
+    else:
+        logits = hidden  # unused: FROM_LOGITS is off
+    act = torch.empty(top_k, size, dtype=hidden.dtype, device=device)
+    _one_token_gate_up_kernel[(top_k, triton.cdiv(size, cfg["gate_up_block_n"]))](
+        hidden, w13, act, logits, topk_weights, topk_ids, num_experts, hidden_size, size,
+        w13.stride(0), w13.stride(1), FROM_LOGITS=from_logits, TOP_K=top_k,
+        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=cfg["gate_up_block_n"],
+        BLOCK_K=cfg["block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    pair_out = torch.empty(top_k, hidden_size, dtype=hidden.dtype, device=device)
+    _one_token_down_kernel[(top_k, triton.cdiv(hidden_size, cfg["down_block_n"]))](
+        act, w2, pair_out, topk_weights, topk_ids, size, hidden_size, w2.stride(0),
+        w2.stride(1), BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"], USE_PDL=pdl,
+        launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return pair_out if top_k == 1 else _sum_slots(pair_out, 1, top_k, pdl)
 
 
 def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
@@ -239,14 +370,17 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                          f"{w2.dtype} must share one dtype")
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("decode_moe needs expert weights with contiguous rows")
-    if router_logits is not None:
-        topk_weights, topk_ids = route(router_logits, top_k, renormalize)
-    else:
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_pairs)
+    if router_logits is None:
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.float().contiguous()
     hidden = hidden.contiguous()
-    num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs)
+    if num_tokens == 1 and cfg.get("one_token"):
+        return _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weights,
+                              topk_ids, cfg)
+    if router_logits is not None:
+        topk_weights, topk_ids = route(router_logits, top_k, renormalize)
     block_p = triton.next_power_of_2(num_pairs)
     precision = dot_precision(hidden.dtype)
     device = hidden.device
@@ -266,10 +400,4 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
         DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if top_k == 1:
-        return pair_out
-    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
-        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    return out
+    return pair_out if top_k == 1 else _sum_slots(pair_out, num_tokens, top_k, pdl)
