@@ -46,17 +46,13 @@ MAX_PAIRS = 1024
 
 
 @triton.jit
-def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """One program per token: softmax over the E logits, the TOP_K best (weights fp32, ids
-    int32, best first), optionally renormalised to sum to 1."""
-    token = tl.program_id(0)
+def _softmax_top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """One token's routing from its E logits: softmax, the TOP_K best (weights fp32, ids int32,
+    best first, in BLOCK_TOPK slots), optionally renormalised to sum to 1."""
     experts = tl.arange(0, BLOCK_E)
     is_expert = experts < E
-    wait_for_previous_kernel(USE_PDL)  # the logits come from the router's GEMV
-    x = tl.load(logits_ptr + token * stride_logits + experts, mask=is_expert,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
     ex = tl.where(is_expert, tl.exp(x - tl.max(x, 0)), 0.0)
     score = tl.where(is_expert, ex / tl.sum(ex, 0), -1.0)
     slots = tl.arange(0, BLOCK_TOPK)
@@ -69,6 +65,20 @@ def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, E, TOP_K: tl.
         score = tl.where(experts == best, -2.0, score)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """One program per token: softmax over the E logits, the TOP_K best (weights fp32, ids
+    int32, best first), optionally renormalised to sum to 1."""
+    token = tl.program_id(0)
+    wait_for_previous_kernel(USE_PDL)  # the logits come from the router's GEMV
+    top_w, top_i = _softmax_top_k(logits_ptr + token * stride_logits, E, TOP_K, RENORMALIZE,
+                                  BLOCK_E, BLOCK_TOPK)
+    slots = tl.arange(0, BLOCK_TOPK)
     tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
 
@@ -175,22 +185,8 @@ def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, id
     slot = tl.program_id(0)
     wait_for_previous_kernel(USE_PDL)  # the logits or ids come from the previous kernel
     if FROM_LOGITS:
-        experts = tl.arange(0, BLOCK_E)
-        is_expert = experts < E
-        logit = tl.load(logits_ptr + experts, mask=is_expert, other=float("-inf"))
-        ex = tl.where(is_expert, tl.exp(logit.to(tl.float32) - tl.max(logit.to(tl.float32), 0)),
-                      0.0)
-        score = tl.where(is_expert, ex / tl.sum(ex, 0), -1.0)
+        top_w, top_i = _softmax_top_k(logits_ptr, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK)
         slots = tl.arange(0, BLOCK_TOPK)
-        top_w = tl.zeros([BLOCK_TOPK], tl.float32)
-        top_i = tl.zeros([BLOCK_TOPK], tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.argmax(score, 0)
-            top_w = tl.where(slots == j, tl.max(score, 0), top_w)
-            top_i = tl.where(slots == j, best.to(tl.int32), top_i)
-            score = tl.where(experts == best, -2.0, score)
-        if RENORMALIZE:
-            top_w = top_w / tl.sum(top_w, 0)
         if (slot == 0) & (tl.program_id(1) == 0):
             tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
             tl.store(ids_ptr + slots, top_i, mask=slots < TOP_K)
