@@ -156,6 +156,15 @@ def _nothing_cached(meta: AttentionMetadata) -> bool:
                for i, seq_len in enumerate(meta.seq_lens_host))
 
 
+def _heads_repeated(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[L, KVH, D] -> [1, KVH * group, L, D], query head h reading KV head h // group (as
+    repeat_interleave(group, dim=1) orders them): one strided copy into token-major rows, and
+    none at all for group 1."""
+    tokens, kv_heads, dim = x.shape
+    rows = x[:, :, None, :].expand(tokens, kv_heads, group, dim)
+    return rows.reshape(tokens, kv_heads * group, dim).transpose(0, 1).unsqueeze(0)
+
+
 def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta: AttentionMetadata, scale: float,
                         sliding_window: int | None) -> torch.Tensor:
@@ -172,8 +181,7 @@ def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         start, end = starts[i], starts[i + 1]
         # [1, H, L, D]: the flash kernel takes 4-D inputs only (3-D goes to the math kernel).
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks, vs = (x[start:end].repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-                  for x in (k, v))
+        ks, vs = (_heads_repeated(x[start:end], group) for x in (k, v))
         if sliding_window is None or seq_len <= sliding_window:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
