@@ -48,9 +48,10 @@ def decode_table(args, copy_bps: float) -> list[str]:
                for n, dn, bk, dk, (w, s) in itertools.product(
                    (16, 32, 64), (16, 64), (128, 256), (128, 256), ((4, 3), (4, 4), (8, 3)))]
     one_token = [dict(block_m=16, gate_up_block_n=n, down_block_n=dn, block_k=bk,
-                      down_block_k=bk, num_warps=w, num_stages=s, one_token=True)
-                 for n, dn, bk, (w, s) in itertools.product(
-                     (8, 16, 32), (8, 16, 32), (256, 512), ((4, 2), (4, 3), (8, 3)))]
+                      down_block_k=bk, num_warps=w, num_stages=s, one_token=True,
+                      sum_in_down=fold)
+                 for n, dn, bk, (w, s), fold in itertools.product(
+                     (16, 32), (8, 16, 32), (256, 512), ((4, 2), (4, 3), (8, 3)), (False, True))]
     lines = [f"{'batch':>5} {'floor us':>8} {'aiter us':>8} {'decode us':>9} {'best us':>8} "
              f"{'best/floor':>10}  best config"]
     for batch in args.batches:

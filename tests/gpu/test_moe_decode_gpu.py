@@ -98,7 +98,7 @@ def test_decode_moe_replays_in_a_cuda_graph():
 ONE_TOKEN_CONFIGS = [dict(gate_up_block_n=16, down_block_n=16, block_k=256, down_block_k=256,
                          num_warps=4, num_stages=3),
                     dict(gate_up_block_n=64, down_block_n=32, block_k=128, down_block_k=128,
-                         num_warps=8, num_stages=2)]
+                         num_warps=8, num_stages=2, sum_in_down=True)]
 
 
 @pytest.mark.gpu
@@ -106,7 +106,8 @@ ONE_TOKEN_CONFIGS = [dict(gate_up_block_n=16, down_block_n=16, block_k=256, down
 @pytest.mark.parametrize("num_experts, top_k, hidden_size, size", SHAPES)
 def test_one_token_grid_matches_torch_and_replays(num_experts, top_k, hidden_size, size, tile):
     """One token on the (slot, columns) grid, routed in its gate_up launch or from given ids,
-    against the reference, and under CUDA-graph replays with new logits."""
+    the sum over k in its own launch or in the down launch, against the reference, and under
+    CUDA-graph replays with new logits."""
     hidden, w13, w2, logits = make_case(1, num_experts, hidden_size, size, seed=top_k)
     config = dict(moe_decode.default_config(top_k), one_token=True, **tile)
     weights, ids = select_experts(logits, top_k, renormalize=True)

@@ -215,15 +215,9 @@ def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, id
 
 
 @triton.jit
-def _one_token_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, stride_we,
-                           stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    """One token: out[slot, n] = weight[slot] * (act[slot] . w[e, n]) for the expert e of
-    slot = program_id(0) and BLOCK_N of the N (hidden) columns."""
-    slot = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    wait_for_previous_kernel(USE_PDL)  # act, ids and weights come from the gate_up kernel
+def _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K, stride_we,
+                   stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """weight[slot] * (act[slot] . w[e, offs_n]) for slot's expert e, in fp32."""
     expert = tl.load(ids_ptr + slot)
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -233,8 +227,33 @@ def _one_token_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, 
         a = tl.load(act_ptr + slot * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
-    y = acc * tl.load(weights_ptr + slot)
-    tl.store(out_ptr + slot * N + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    return acc * tl.load(weights_ptr + slot)
+
+
+@triton.jit
+def _one_token_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, stride_we,
+                           stride_wn, TOP_K: tl.constexpr, SUM_SLOTS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """One token, BLOCK_N of the N (hidden) columns a program. SUM_SLOTS: out[0, n] = the sum
+    over slots of weight[slot] * (act[slot] . w[e_slot, n]), each term rounded as a stored row
+    and added in fp32 (the sum over k done here, no further launch); else out[slot, n] = that
+    term for slot = program_id(0)."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    wait_for_previous_kernel(USE_PDL)  # act, ids and weights come from the gate_up kernel
+    if SUM_SLOTS:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for slot in range(TOP_K):
+            y = _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K,
+                               stride_we, stride_wn, BLOCK_N, BLOCK_K)
+            total += y.to(out_ptr.dtype.element_ty).to(tl.float32)  # as a stored row
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        slot = tl.program_id(0)
+        y = _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K,
+                           stride_we, stride_wn, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + slot * N + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -263,11 +282,12 @@ def default_config(num_pairs: int) -> dict[str, int]:
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
     percent of each other; 16-row blocks since decode experts see a handful of tokens each).
     `one_token` (a single token on the (slot, columns) grid, _one_token_moe, with the same
-    block keys) is off: the expert grid is the measured default; moe_layer.py sweeps both."""
+    block keys; `sum_in_down` there folds the sum over k into its down launch) is off: the
+    expert grid is the measured default; moe_layer.py sweeps both."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
     return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
             "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
-            "one_token": False}
+            "one_token": False, "sum_in_down": False}
 
 
 def fits(num_tokens: int, top_k: int) -> bool:
@@ -307,7 +327,9 @@ def _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weig
     of them working, where the expert grid launches num_experts x column blocks and all but
     top_k rows of it stop at their scan. Routing (from logits) runs inside the gate_up launch,
     so a layer is three launches. Each projection is a multiply-and-sum per column (one row: no
-    tensor cores), fp32 accumulation, the same roundings as the expert grid."""
+    tensor cores), fp32 accumulation, the same roundings as the expert grid. cfg
+    `sum_in_down`: the down launch also adds the k slots (one program per column block
+    walks all k experts), so a layer is two launches."""
     hidden_size = hidden.shape[1]
     num_experts, size = w13.shape[0], w13.shape[1] // 2
     device = hidden.device
@@ -327,12 +349,15 @@ def _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weig
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=cfg["gate_up_block_n"],
         BLOCK_K=cfg["block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    pair_out = torch.empty(top_k, hidden_size, dtype=hidden.dtype, device=device)
-    _one_token_down_kernel[(top_k, triton.cdiv(hidden_size, cfg["down_block_n"]))](
-        act, w2, pair_out, topk_weights, topk_ids, size, hidden_size, w2.stride(0),
-        w2.stride(1), BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"], USE_PDL=pdl,
-        launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return pair_out if top_k == 1 else _sum_slots(pair_out, 1, top_k, pdl)
+    sum_in_down = top_k == 1 or bool(cfg.get("sum_in_down"))
+    rows = 1 if sum_in_down else top_k
+    out = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=device)
+    _one_token_down_kernel[(rows, triton.cdiv(hidden_size, cfg["down_block_n"]))](
+        act, w2, out, topk_weights, topk_ids, size, hidden_size, w2.stride(0), w2.stride(1),
+        TOP_K=top_k, SUM_SLOTS=sum_in_down, BLOCK_N=cfg["down_block_n"],
+        BLOCK_K=cfg["down_block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out if sum_in_down else _sum_slots(out, 1, top_k, pdl)
 
 
 def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
