@@ -70,17 +70,18 @@ def decode_table(args, copy_bps: float) -> list[str]:
                                          router_logits=logits, top_k=k, config=config)
         aiter_s = time_graphed(aiter)
         decode_s = time_graphed(decode) if moe_decode.fits(batch, k) else float("nan")
-        grids = {"expert grid": configs, "one-token grid": one_token if batch == 1 else []}
+        grids = {"expert grid": configs}
+        if batch == 1:
+            grids["one-token grid"] = one_token
         for grid, sweep in grids.items():
             best = (float("inf"), None)
             if moe_decode.fits(batch, k):
                 for config in sweep:
                     best = min(best, (time_graphed(lambda j: decode(j, config)), str(config)),
                                key=lambda r: r[0])
-            if best[1] is not None or grid == "expert grid":
-                lines.append(f"{batch:>5} {floor * 1e6:8.1f} {aiter_s * 1e6:8.1f} "
-                             f"{decode_s * 1e6:9.1f} {best[0] * 1e6:8.1f} "
-                             f"{best[0] / floor:10.2f}  {grid}: {best[1]}")
+            lines.append(f"{batch:>5} {floor * 1e6:8.1f} {aiter_s * 1e6:8.1f} "
+                         f"{decode_s * 1e6:9.1f} {best[0] * 1e6:8.1f} "
+                         f"{best[0] / floor:10.2f}  {grid}: {best[1]}")
     del weights
     torch.cuda.empty_cache()
     return lines

@@ -172,6 +172,21 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
 
 
 @triton.jit
+def _dot_rows(vec_ptr, rows_ptr, mask_n, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32: vec [K] . each of the BLOCK_N rows at rows_ptr [BLOCK_N, 1] (row starts,
+    K contiguous), as a multiply-and-sum over BLOCK_K slices (one vector: no tensor cores)."""
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        v = tl.load(vec_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(rows_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)
+        acc += tl.sum(w.to(tl.float32) * v[None, :], 1)
+    return acc
+
+
+@triton.jit
 def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, ids_ptr, E, K, I,
                               stride_we, stride_wn, FROM_LOGITS: tl.constexpr,
                               TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -196,20 +211,10 @@ def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, id
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    up_rows = gate_rows + I * stride_wn
-    acc_gate = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w_gate = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        w_up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        acc_gate += tl.sum(w_gate.to(tl.float32) * x[None, :], 1)
-        acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], 1)
-    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    gate = _dot_rows(x_ptr, gate_rows, mask_n, K, BLOCK_N, BLOCK_K)
+    up = _dot_rows(x_ptr, gate_rows + I * stride_wn, mask_n, K, BLOCK_N, BLOCK_K)
+    gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + slot * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mask_n)
 
@@ -220,13 +225,7 @@ def _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K
     """weight[slot] * (act[slot] . w[e, offs_n]) for slot's expert e, in fp32."""
     expert = tl.load(ids_ptr + slot)
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(act_ptr + slot * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * a[None, :], 1)
+    acc = _dot_rows(act_ptr + slot * K, w_rows, mask_n, K, BLOCK_N, BLOCK_K)
     return acc * tl.load(weights_ptr + slot)
 
 
