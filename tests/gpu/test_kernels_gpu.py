@@ -75,6 +75,21 @@ def test_attention_matches_reference(case, sinks, window, dtype):
                        layers[KernelBackend.TORCH].k_cache.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("seq_lens", [[2048], [300, 4096, 17]])
+def test_fresh_prefill_reads_kv_heads_in_kernel(seq_lens):
+    """At bf16 GQA shapes (Qwen3's 32 / 4 heads) fresh prefill reads the K/V heads as they are
+    (flash or cuDNN with enable_gqa, no repeated copy), and agrees with the repeated form."""
+    from tandem.workers.ops.attention_gpu import _fresh_prefill_sdpa, _sdpa_takes_gqa
+    _, _, meta, gen = paged_case(seq_lens, seq_lens, 4, 128, 16, torch.bfloat16, seed=5)
+    q, k, v = (torch.randn(sum(seq_lens), h, 128, generator=gen, device=DEV).bfloat16()
+               for h in (32, 4, 4))
+    assert _sdpa_takes_gqa(q[:seq_lens[0]].transpose(0, 1)[None],
+                           k[:seq_lens[0]].transpose(0, 1)[None])
+    out = _fresh_prefill_sdpa(q, k, v, meta, 128 ** -0.5, None)
+    repeated = _fresh_prefill_sdpa(q, k, v, meta, 128 ** -0.5, None, gqa_in_kernel=False)
+    assert rel(out, repeated) <= BF16_REL
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 8, 64])
 def test_split_counts_agree(num_splits):
     k_cache, v_cache, meta, gen = paged_case([5, 700, 2049], [1, 1, 1], 4, 128, 16,

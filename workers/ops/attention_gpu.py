@@ -165,14 +165,25 @@ def _heads_repeated(x: torch.Tensor, group: int) -> torch.Tensor:
     return rows.reshape(tokens, kv_heads * group, dim).transpose(0, 1).unsqueeze(0)
 
 
+def _sdpa_takes_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether SDPA's flash or cuDNN kernel takes these [1, H, L, D] queries over [1, KVH, L, D]
+    keys as they are (enable_gqa, causal, no mask). Either is what the default dispatch then
+    runs; without them enable_gqa would fall to the math kernel, which builds the whole
+    [H, L, L] score matrix (8 GiB at 8k tokens)."""
+    params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, True)
+    return q.is_cuda and (torch.backends.cuda.can_use_flash_attention(params, False)
+                          or torch.backends.cuda.can_use_cudnn_attention(params, False))
+
+
 def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        meta: AttentionMetadata, scale: float,
-                        sliding_window: int | None) -> torch.Tensor:
-    """Causal attention of each sequence over its own new K/V. K/V heads are repeated to the
-    query heads first: SDPA's flash kernel takes no GQA, and its fallback (enable_gqa) builds
-    the whole [H, L, L] score matrix (8 GiB at 8k tokens). A lone sequence's output is
-    returned as the kernel wrote it when that is already [L, H, D] row-major (the flash
-    kernels write token-major), with no copy into a fresh tensor."""
+                        meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                        gqa_in_kernel: bool | None = None) -> torch.Tensor:
+    """Causal attention of each sequence over its own new K/V. Under GQA the kernel reads the
+    K/V heads as they are where flash or cuDNN takes them (_sdpa_takes_gqa; gqa_in_kernel
+    forces the choice, for tests), else they are repeated to the query heads first; a sliding
+    window's mask always takes the repeated form. A lone sequence's output is returned as
+    the kernel wrote it when that is already [L, H, D] row-major (the flash kernels write
+    token-major), with no copy into a fresh tensor."""
     group = q.shape[1] // k.shape[1]
     starts = meta.query_start_loc_host
     lone = len(meta.seq_lens_host) == 1 and starts[1] - starts[0] == q.shape[0]
@@ -181,10 +192,16 @@ def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         start, end = starts[i], starts[i + 1]
         # [1, H, L, D]: the flash kernel takes 4-D inputs only (3-D goes to the math kernel).
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks, vs = (_heads_repeated(x[start:end], group) for x in (k, v))
         if sliding_window is None or seq_len <= sliding_window:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (k, v))
+            gqa = group > 1 and (gqa_in_kernel if gqa_in_kernel is not None
+                                 else _sdpa_takes_gqa(qs, ks))
+            if group > 1 and not gqa:
+                ks, vs = (_heads_repeated(x[start:end], group) for x in (k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
         else:
+            ks, vs = (_heads_repeated(x[start:end], group) for x in (k, v))
             pos = torch.arange(seq_len, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)

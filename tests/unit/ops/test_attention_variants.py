@@ -77,17 +77,21 @@ def test_paged_attention_variants_match_dense_definition(sliding_window, has_sin
 @pytest.mark.parametrize("layout", [[(0, 9), (0, 5)], [(0, 11)]])
 @pytest.mark.parametrize("kv_heads", [KV_HEADS, HEADS])
 @pytest.mark.parametrize("sliding_window", [None, 4])
-def test_fresh_prefill_sdpa_matches_dense_definition(layout, kv_heads, sliding_window):
-    """The GPU backend's fresh-prefill path (KV heads repeated to the query heads, torch SDPA
-    per sequence), run here on CPU tensors: GQA and plain heads, several sequences and a lone
-    one (whose output is returned without a copy), with and without a window."""
+@pytest.mark.parametrize("gqa_in_kernel", [False, True])
+def test_fresh_prefill_sdpa_matches_dense_definition(layout, kv_heads, sliding_window,
+                                                     gqa_in_kernel):
+    """The GPU backend's fresh-prefill path (torch SDPA per sequence, K/V heads repeated to the
+    query heads or read as they are with enable_gqa), run here on CPU tensors: GQA and plain
+    heads, several sequences and a lone one (whose output is returned without a copy), with
+    and without a window."""
     attention_gpu = pytest.importorskip("tandem.workers.ops.attention_gpu")
     gen = torch.Generator().manual_seed(len(layout) + kv_heads)
     _, meta = scattered_batch(layout, NUM_BLOCKS, BLOCK, gen)
     tokens = sum(n for _, n in layout)
     q = torch.randn(tokens, HEADS, DIM, generator=gen)
     k, v = (torch.randn(tokens, kv_heads, DIM, generator=gen) for _ in range(2))
-    out = attention_gpu._fresh_prefill_sdpa(q, k, v, meta, SCALE, sliding_window)
+    out = attention_gpu._fresh_prefill_sdpa(q, k, v, meta, SCALE, sliding_window,
+                                        gqa_in_kernel)
     assert out.shape == q.shape and out.is_contiguous()
     starts = meta.query_start_loc_host
     for i in range(len(layout)):
