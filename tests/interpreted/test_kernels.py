@@ -246,6 +246,34 @@ def test_moe_decode(num_tokens, top_k, dtype):
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 
 
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
+    (37, 128, 8, True),    # three programs of 16 tokens, the last one partial
+    (300, 8, 2, False),    # 256 tokens a program
+    (5, 60, 4, True),      # experts short of a power of two
+    (1, 128, 8, True)])    # a decode step's single token
+def test_route_matches_select_experts(num_tokens, num_experts, top_k, renormalize):
+    """moe_decode.route against select_experts: the same experts with the same weights for
+    every token of every program, best first; tied logits go to the lower expert id first
+    (select_experts leaves the order open)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    want_w, want_ids = select_experts(logits, top_k, renormalize=renormalize)
+    got_w, got_ids = moe_decode.route(logits, top_k, renormalize)
+
+    def by_id(w, ids):
+        ids, order = ids.long().sort(1)
+        return ids, w.float().gather(1, order)
+
+    (got_sorted, got_w_sorted), (want_sorted, want_w_sorted) = by_id(got_w, got_ids), \
+        by_id(want_w, want_ids)
+    assert torch.equal(got_sorted, want_sorted)
+    torch.testing.assert_close(got_w_sorted, want_w_sorted, rtol=1e-6, atol=1e-6)
+    assert (got_w[:, :-1] >= got_w[:, 1:]).all()  # best first
+    logits[-1, 1:top_k + 2] = 5.0  # k + 1 experts tied for the top
+    _, tied_ids = moe_decode.route(logits, top_k, renormalize)
+    assert tied_ids[-1].tolist() == list(range(1, top_k + 1))
+
+
 @DTYPES
 @pytest.mark.parametrize("top_k", [1, 4, 8])
 @pytest.mark.parametrize("sum_in_down", [False, True])

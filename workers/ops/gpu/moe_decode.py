@@ -43,44 +43,51 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 # Largest token count * top_k these kernels take: every expert program scans all the pairs'
 # expert ids, and beyond about a thousand pairs AITER's grouped GEMMs are the better tool.
 MAX_PAIRS = 1024
+# Logits a routing program holds (tokens x experts): 16 tokens of 128 experts, 4 warps.
+ROUTE_TILE = 2048
 
 
 @triton.jit
-def _softmax_top_k(logits_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """One token's routing from its E logits: softmax, the TOP_K best (weights fp32, ids int32,
-    best first, in BLOCK_TOPK slots), optionally renormalised to sum to 1."""
+def _softmax_top_k(logits_ptr, stride_logits, rows, E, TOP_K: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """Routing of the tokens `rows` [R] from their E logits each: softmax, the TOP_K best
+    (weights fp32 [R, BLOCK_TOPK], ids int32 [R, BLOCK_TOPK], best first), optionally
+    renormalised to sum to 1. Ties go to the lower expert id."""
     experts = tl.arange(0, BLOCK_E)
-    is_expert = experts < E
-    x = tl.load(logits_ptr + experts, mask=is_expert, other=float("-inf")).to(tl.float32)
-    ex = tl.where(is_expert, tl.exp(x - tl.max(x, 0)), 0.0)
-    score = tl.where(is_expert, ex / tl.sum(ex, 0), -1.0)
-    slots = tl.arange(0, BLOCK_TOPK)
-    top_w = tl.zeros([BLOCK_TOPK], tl.float32)
-    top_i = tl.zeros([BLOCK_TOPK], tl.int32)
+    is_expert = (experts < E)[None, :]
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_logits + experts[None, :],
+                mask=is_expert, other=float("-inf")).to(tl.float32)
+    ex = tl.where(is_expert, tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
+    score = tl.where(is_expert, ex / tl.sum(ex, 1)[:, None], -1.0)
+    slots = tl.arange(0, BLOCK_TOPK)[None, :]
+    top_w = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
+    top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(score, 0)
-        top_w = tl.where(slots == j, tl.max(score, 0), top_w)
-        top_i = tl.where(slots == j, best.to(tl.int32), top_i)
-        score = tl.where(experts == best, -2.0, score)
+        best = tl.argmax(score, 1)
+        top_w = tl.where(slots == j, tl.max(score, 1)[:, None], top_w)
+        top_i = tl.where(slots == j, best.to(tl.int32)[:, None], top_i)
+        score = tl.where(experts[None, :] == best[:, None], -2.0, score)
     if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 0)
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
     return top_w, top_i
 
 
-@triton.jit
-def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                  USE_PDL: tl.constexpr):
-    """One program per token: softmax over the E logits, the TOP_K best (weights fp32, ids
-    int32, best first), optionally renormalised to sum to 1."""
-    token = tl.program_id(0)
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, T, E, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
+    """BLOCK_T tokens a program: softmax over the E logits, the TOP_K best (weights fp32, ids
+    int32, best first), optionally renormalised to sum to 1. Rows past T read the last token
+    and store nothing."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     wait_for_previous_kernel(USE_PDL)  # the logits come from the router's GEMV
-    top_w, top_i = _softmax_top_k(logits_ptr + token * stride_logits, E, TOP_K, RENORMALIZE,
-                                  BLOCK_E, BLOCK_TOPK)
-    slots = tl.arange(0, BLOCK_TOPK)
-    tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=slots < TOP_K)
+    top_w, top_i = _softmax_top_k(logits_ptr, stride_logits, tl.minimum(tokens, T - 1), E,
+                                  TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+    slots = tl.arange(0, BLOCK_TOPK)[None, :]
+    out = tokens.to(tl.int64)[:, None] * TOP_K + slots
+    mask = (tokens < T)[:, None] & (slots < TOP_K)
+    tl.store(weights_ptr + out, top_w, mask=mask)
+    tl.store(ids_ptr + out, top_i, mask=mask)
 
 
 @triton.jit
@@ -200,7 +207,9 @@ def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, id
     slot = tl.program_id(0)
     wait_for_previous_kernel(USE_PDL)  # the logits or ids come from the previous kernel
     if FROM_LOGITS:
-        top_w, top_i = _softmax_top_k(logits_ptr, E, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+        top_w, top_i = _softmax_top_k(logits_ptr, 0, tl.zeros([1], tl.int32), E, TOP_K,
+                                      RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+        top_w, top_i = tl.sum(top_w, 0), tl.sum(top_i, 0)  # the one row, [BLOCK_TOPK]
         slots = tl.arange(0, BLOCK_TOPK)
         if (slot == 0) & (tl.program_id(1) == 0):
             tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
@@ -296,16 +305,19 @@ def fits(num_tokens: int, top_k: int) -> bool:
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing on the GPU, one program per token: router_logits [T, E] ->
-    (weights [T, k] fp32, ids [T, k] int32), as select_experts(scoring="softmax") gives them
-    (ids best first)."""
+    """Softmax top-k routing on the GPU: router_logits [T, E] -> (weights [T, k] fp32, ids
+    [T, k] int32), as select_experts(scoring="softmax") gives them (ids best first). A program
+    routes up to ROUTE_TILE // E tokens (one at a time in decode's single-token steps), so a
+    prefill's thousands of tokens are a few hundred programs, not one each."""
     num_tokens, num_experts = router_logits.shape
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = min(triton.next_power_of_2(num_tokens), max(1, ROUTE_TILE // block_e))
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
     pdl = pdl_enabled(router_logits.device)
-    _route_kernel[(num_tokens,)](
-        router_logits, router_logits.stride(0), weights, ids, num_experts, TOP_K=top_k,
-        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+    _route_kernel[(triton.cdiv(num_tokens, block_t),)](
+        router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
         BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return weights, ids
 
