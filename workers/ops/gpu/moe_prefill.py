@@ -3,8 +3,9 @@
 A layer runs as
 
     [align]     three small launches: per-chunk expert counts, one program for the prefix
-                sums (each chunk's first slot per expert, each block's expert, the padded
+                sums (each chunk's first slot per expert, each expert's padded end, the padded
                 length), then a stable scatter of the (token, slot) pair ids into sorted_ids
+                that also writes each block's expert
     [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
                 rows of x times the gate rows and the matching up rows of the block's expert,
                 two fp32 accumulators, silu(gate) * up stored as the activation [T*k, I]
@@ -39,29 +40,35 @@ import triton.language as tl
 from tandem.workers.ops.gpu.moe_decode import dot_precision
 from tandem.workers.ops.moe_aiter import check_aiter_triton_args, padded_capacity
 
+# Chunks the align splits the pairs into at most (a chunk is whole tiles of pairs): enough
+# programs to count and scatter in parallel, few enough rows of counts for the one-program
+# prefix sums to read in one pass.
+MAX_CHUNKS = 128
+
 
 # ---- align: the (token, slot) pairs sorted by expert ------------------------------------------
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, BLOCK_E: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pairs", "subs"])
+def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, subs, BLOCK_E: tl.constexpr,
                         BLOCK_P: tl.constexpr):
-    """chunk_counts[c, e] = how many of pairs [c * BLOCK_P, (c + 1) * BLOCK_P) chose e."""
+    """chunk_counts[c, e] = how many of chunk c's pairs (subs tiles of BLOCK_P) chose e."""
     chunk = tl.program_id(0)
-    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for sub in range(0, subs):
+        pairs = (chunk * subs + sub) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + experts, counts)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "num_blocks"])
-def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post_pad_ptr,
-                    num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+@triton.jit(do_not_specialize=["num_chunks"])
+def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, num_post_pad_ptr,
+                    num_chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
     """One program. Each expert's run starts at the sum of the padded counts of the experts
-    before it; chunk_starts[c, e] = where chunk c's first pair of expert e goes (the run's
-    start plus the earlier chunks' pairs of e); expert_ids[b] = the expert whose padded run
-    holds block b (the last expert for blocks past the padded length)."""
+    before it (expert_ends[e] = where e's padded run ends); chunk_starts[c, e] = where chunk
+    c's first pair of expert e goes (the run's start plus the earlier chunks' pairs of e)."""
     experts = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], tl.int32)
     for c0 in range(0, num_chunks, BLOCK_C):
@@ -72,6 +79,7 @@ def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_ends = tl.cumsum(padded, axis=0)
     tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
+    tl.store(expert_ends_ptr + experts, padded_ends)
     running = padded_ends - padded
     for c0 in range(0, num_chunks, BLOCK_C):
         chunks = c0 + tl.arange(0, BLOCK_C)
@@ -81,35 +89,48 @@ def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ids_ptr, num_post
         earlier = tl.cumsum(tile, axis=0) - tile
         tl.store(chunk_starts_ptr + offsets, running[None, :] + earlier, mask=is_chunk)
         running += tl.sum(tile, axis=0)
-    # Experts past NUM_EXPERTS (BLOCK_E padding) end at the padded length, like the last one.
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blocks = b0 + tl.arange(0, BLOCK_B)
-        ended = padded_ends[None, :] <= (blocks * BLOCK_M)[:, None]
+
+
+@triton.jit(do_not_specialize=["num_pairs", "subs", "num_chunks", "num_blocks"])
+def _scatter_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_ptr, expert_ids_ptr,
+                    num_pairs, subs, num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_B: tl.constexpr):
+    """Program c: sorted[chunk_starts[c, e] + r] = the id of chunk c's r-th pair that chose
+    e, and expert_ids[b] = the expert whose padded run holds block b, for blocks
+    [c * BLOCK_B, (c + 1) * BLOCK_B) (the last expert for blocks past the padded length;
+    experts past NUM_EXPERTS, BLOCK_E's padding, end at the padded length like the last)."""
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    if chunk < num_chunks:
+        starts = tl.load(chunk_starts_ptr + chunk * BLOCK_E + experts)  # next slot per expert
+        for sub in range(0, subs):
+            pairs = (chunk * subs + sub) * BLOCK_P + tl.arange(0, BLOCK_P)
+            is_pair = pairs < num_pairs
+            ids = tl.load(ids_ptr + pairs, mask=is_pair, other=-1)
+            chose = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+            # earlier pairs of the same expert in this tile, plus the slot it had reached
+            slot = tl.sum((tl.cumsum(chose, axis=0) - 1 + starts[None, :]) * chose, axis=1)
+            tl.store(sorted_ptr + slot, pairs, mask=is_pair)
+            starts += tl.sum(chose, axis=0)
+    blocks = chunk * BLOCK_B + tl.arange(0, BLOCK_B)
+    if chunk * BLOCK_B < num_blocks:
+        ends = tl.load(expert_ends_ptr + experts)
+        ended = ends[None, :] <= (blocks * BLOCK_M)[:, None]
         expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
         tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _scatter_kernel(ids_ptr, chunk_starts_ptr, sorted_ptr, num_pairs, BLOCK_E: tl.constexpr,
-                    BLOCK_P: tl.constexpr):
-    """sorted[chunk_starts[c, e] + r] = the id of chunk c's r-th pair that chose e."""
-    chunk = tl.program_id(0)
-    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
-    is_pair = pairs < num_pairs
-    ids = tl.load(ids_ptr + pairs, mask=is_pair, other=-1)
-    chose = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
-    rank = tl.sum(tl.cumsum(chose, axis=0) * chose, axis=1) - 1  # earlier pairs, same expert
-    start = tl.load(chunk_starts_ptr + chunk * BLOCK_E + ids, mask=is_pair, other=0)
-    tl.store(sorted_ptr + start + rank, pairs, mask=is_pair)
-
-
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    max_chunks: int = MAX_CHUNKS
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_aiter.align_by_expert in three launches, equal outputs. topk_ids [T, k] ->
       sorted_ids [P] int32: flat pair ids (t * k + j), expert by expert; padding = T * k
       expert_ids [P / block_m] int32: the expert of each block of block_m entries
       num_post_pad [1] int32: used length of sorted_ids (a multiple of block_m)
-    with P = padded_capacity(T * k, num_experts, block_m)."""
+    with P = padded_capacity(T * k, num_experts, block_m). The pairs split into at most
+    max_chunks chunks of whole tiles, so the one-program offsets pass reads one row of
+    counts per chunk however many tokens there are."""
     ids = topk_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
@@ -119,7 +140,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     num_blocks = capacity // block_m
     block_e = triton.next_power_of_2(num_experts)
     block_p = max(16, min(256, 16384 // block_e))
-    num_chunks = triton.cdiv(num_pairs, block_p)
+    subs = triton.cdiv(triton.cdiv(num_pairs, block_p), max_chunks)
+    num_chunks = triton.cdiv(num_pairs, block_p * subs)
+    block_b = max(1, 8192 // block_e)
     sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
@@ -127,14 +150,16 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
         return sorted_ids, expert_ids, num_post_pad.zero_()
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
     chunk_starts = torch.empty_like(chunk_counts)
-    _count_chunk_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, BLOCK_E=block_e,
+    expert_ends = torch.empty(block_e, dtype=torch.int32, device=device)
+    _count_chunk_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, subs, BLOCK_E=block_e,
                                        BLOCK_P=block_p, num_warps=4)
-    _offsets_kernel[(1,)](chunk_counts, chunk_starts, expert_ids, num_post_pad, num_chunks,
-                          num_blocks, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
-                          BLOCK_C=max(1, 16384 // block_e), BLOCK_B=max(1, 8192 // block_e),
-                          num_warps=8)
-    _scatter_kernel[(num_chunks,)](ids, chunk_starts, sorted_ids, num_pairs, BLOCK_E=block_e,
-                                   BLOCK_P=block_p, num_warps=4)
+    _offsets_kernel[(1,)](chunk_counts, chunk_starts, expert_ends, num_post_pad, num_chunks,
+                          BLOCK_M=block_m, BLOCK_E=block_e,
+                          BLOCK_C=max(1, 16384 // block_e), num_warps=8)
+    _scatter_kernel[(max(num_chunks, triton.cdiv(num_blocks, block_b)),)](
+        ids, chunk_starts, expert_ends, sorted_ids, expert_ids, num_pairs, subs, num_chunks,
+        num_blocks, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
+        BLOCK_P=block_p, BLOCK_B=block_b, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 
