@@ -46,13 +46,27 @@ def test_decode_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, s
         assert rel(out, ref) <= MAX_REL
 
 
+GROUPED = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 33, 8192])
 @pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("num_experts, top_k", [(8, 2), (128, 8), (60, 4)])
-def test_route_kernel_matches_select_experts(num_experts, top_k, renormalize):
-    logits = torch.randn(33, num_experts, device="cuda")
-    weights, ids = moe_decode.route(logits, top_k, renormalize)
-    ref_weights, ref_ids = select_experts(logits, top_k, renormalize=renormalize)
+@pytest.mark.parametrize("num_experts, top_k, routing", [
+    (8, 2, {}), (128, 8, {}), (60, 4, {}),
+    (256, 8, dict(scoring="sigmoid", bias=True, **GROUPED)),    # DeepSeek-V3
+    (160, 8, dict(scoring="sigmoid", bias=True, n_group=1)),    # GLM-4.5
+    (64, 6, dict(topk_group=3, n_group=8, routed_scaling_factor=16.0))])  # DeepSeek-V2
+def test_route_kernel_matches_select_experts(num_experts, top_k, routing, renormalize,
+                                             num_tokens):
+    gen = torch.Generator(device="cuda").manual_seed(num_experts)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    routing = dict(routing, renormalize=renormalize)
+    if routing.pop("bias", False):
+        routing["e_score_correction_bias"] = torch.randn(num_experts, device="cuda",
+                                                         generator=gen) * 0.5
+    weights, ids = moe_decode.route(logits, top_k, **routing)
+    ref_weights, ref_ids = select_experts(logits, top_k, **routing)
     order, ref_order = ids.long().argsort(1), ref_ids.argsort(1)
     assert torch.equal(ids.long().gather(1, order), ref_ids.gather(1, ref_order))
     torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))

@@ -246,19 +246,33 @@ def test_moe_decode(num_tokens, top_k, dtype):
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts, top_k, renormalize", [
-    (37, 128, 8, True),    # three programs of 16 tokens, the last one partial
-    (300, 8, 2, False),    # 256 tokens a program
-    (5, 60, 4, True),      # experts short of a power of two
-    (1, 128, 8, True)])    # a decode step's single token
-def test_route_matches_select_experts(num_tokens, num_experts, top_k, renormalize):
-    """moe_decode.route against select_experts: the same experts with the same weights for
-    every token of every program, best first; tied logits go to the lower expert id first
-    (select_experts leaves the order open)."""
+SIGMOID_GROUPED = dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, routing", [
+    (37, 128, 8, dict(renormalize=True)),  # three programs of 16 tokens, the last partial
+    (300, 8, 2, dict(renormalize=False)),  # 256 tokens a program
+    (5, 60, 4, dict(renormalize=True)),    # experts short of a power of two
+    (1, 128, 8, dict(renormalize=True)),   # a decode step's single token
+    # DeepSeek-V3: sigmoid, correction bias, 4 of 8 groups by their top two, scaled
+    (11, 256, 8, dict(renormalize=True, bias=True, **SIGMOID_GROUPED)),
+    (3, 64, 6, dict(renormalize=False, bias=True, **SIGMOID_GROUPED)),
+    # DeepSeek-V2: softmax, groups by their best expert, scaled
+    (9, 64, 6, dict(renormalize=False, n_group=8, topk_group=3, routed_scaling_factor=16.0)),
+    # GLM-4.5: sigmoid and a bias, no groups, 160 experts
+    (20, 160, 8, dict(renormalize=True, bias=True, scoring="sigmoid", n_group=1,
+                      topk_group=1, routed_scaling_factor=2.5))])
+def test_route_matches_select_experts(num_tokens, num_experts, top_k, routing):
+    """moe_decode.route against select_experts with the same arguments: the same experts with
+    the same weights for every token of every program, best first; tied choices go to the
+    lower expert id first (select_experts leaves the order open)."""
     gen = torch.Generator().manual_seed(num_tokens)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
-    want_w, want_ids = select_experts(logits, top_k, renormalize=renormalize)
-    got_w, got_ids = moe_decode.route(logits, top_k, renormalize)
+    routing = dict(routing)
+    if routing.pop("bias", False):
+        routing["e_score_correction_bias"] = torch.randn(num_experts, generator=gen) * 0.5
+    want_w, want_ids = select_experts(logits, top_k, **routing)
+    got_w, got_ids = moe_decode.route(logits, top_k, **routing)
 
     def by_id(w, ids):
         ids, order = ids.long().sort(1)
@@ -267,10 +281,16 @@ def test_route_matches_select_experts(num_tokens, num_experts, top_k, renormaliz
     (got_sorted, got_w_sorted), (want_sorted, want_w_sorted) = by_id(got_w, got_ids), \
         by_id(want_w, want_ids)
     assert torch.equal(got_sorted, want_sorted)
-    torch.testing.assert_close(got_w_sorted, want_w_sorted, rtol=1e-6, atol=1e-6)
-    assert (got_w[:, :-1] >= got_w[:, 1:]).all()  # best first
+    torch.testing.assert_close(got_w_sorted, want_w_sorted, rtol=1e-5, atol=1e-6)
+    choice = logits.gather(1, got_ids.long())  # best first: scores are monotonic in logits
+    if "e_score_correction_bias" not in routing:
+        assert (choice[:, :-1] >= choice[:, 1:]).all()
+    if routing.get("n_group", 1) > 1:
+        return
     logits[-1, 1:top_k + 2] = 5.0  # k + 1 experts tied for the top
-    _, tied_ids = moe_decode.route(logits, top_k, renormalize)
+    if "e_score_correction_bias" in routing:
+        routing["e_score_correction_bias"] = torch.zeros(num_experts)
+    _, tied_ids = moe_decode.route(logits, top_k, **routing)
     assert tied_ids[-1].tolist() == list(range(1, top_k + 1))
 
 

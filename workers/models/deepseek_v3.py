@@ -38,7 +38,6 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.linear import (ColumnParallelLinear, ReplicatedLinear,
                                        RowParallelLinear, tp_rank_and_size)
 from tandem.workers.ops.mla import MLAAttention
-from tandem.workers.ops.moe import select_experts
 from tandem.workers.ops.norm import RMSNorm
 from tandem.workers.ops.rotary import RotaryEmbedding, rope_parameters, yarn_softmax_scale
 
@@ -114,14 +113,16 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV2Router(nn.Module):
-    """`gate`: logits [T, E] in fp32, as transformers computes them."""
+    """`gate`: logits [T, E] in fp32, as transformers computes them, from an fp32 weight (the
+    checkpoint's values exactly; no conversion per step)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
-        return F.linear(hidden.float(), self.weight.float())
+        return F.linear(hidden.float(), self.weight)
 
 
 class DeepseekV2SparseBlock(Glm4MoeSparseBlock):
@@ -139,7 +140,7 @@ class DeepseekV2SparseBlock(Glm4MoeSparseBlock):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         is_grouped = self.topk_method == "group_limited_greedy"
-        topk_weights, topk_ids = select_experts(
+        topk_weights, topk_ids = self.experts.select(
             self.gate(hidden), self.top_k, scoring="softmax", renormalize=self.renormalize,
             n_group=self.n_group if is_grouped else None,
             topk_group=self.topk_group if is_grouped else None,

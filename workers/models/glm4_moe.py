@@ -29,7 +29,7 @@ from tandem.workers.models.qwen3_moe import (Qwen3MoeDecoderLayer, Qwen3MoeForCa
                                              Qwen3MoeModel, map_expert_name)
 from tandem.workers.ops.backend import KernelBackend
 from tandem.workers.ops.linear import RowParallelLinear
-from tandem.workers.ops.moe import DOWN, GATE, UP, FusedMoE, select_experts
+from tandem.workers.ops.moe import DOWN, GATE, UP, FusedMoE
 from tandem.workers.ops.norm import RMSNorm
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -53,16 +53,18 @@ class Glm4MoeAttention(LlamaAttention):
 
 class Glm4MoeRouter(nn.Module):
     """`gate`: logits [T, E] in fp32 (as transformers) and the fp32 correction bias [E], which
-    only steers the choice of experts."""
+    only steers the choice of experts. The weight is kept in fp32 (the checkpoint's values
+    exactly), so a step reads it once instead of converting it first."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(
             torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
-        return F.linear(hidden.float(), self.weight.float())
+        return F.linear(hidden.float(), self.weight)
 
 
 class Glm4MoeSparseBlock(nn.Module):
@@ -85,7 +87,7 @@ class Glm4MoeSparseBlock(nn.Module):
             hidden_size=config.hidden_size, intermediate_size=shared_size), backend)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        topk_weights, topk_ids = select_experts(
+        topk_weights, topk_ids = self.experts.select(
             self.gate(hidden), self.top_k, scoring="sigmoid", renormalize=self.renormalize,
             e_score_correction_bias=self.gate.e_score_correction_bias, n_group=self.n_group,
             topk_group=self.topk_group, routed_scaling_factor=self.routed_scaling_factor)

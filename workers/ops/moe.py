@@ -28,6 +28,7 @@ SiLU-and-mul fused into gate_up).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -296,20 +297,24 @@ class FusedMoE(nn.Module):
 
     def forward_logits(self, hidden: torch.Tensor, router_logits: torch.Tensor, *, top_k: int,
                        renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
-        """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts. On
-        aiter-triton without expert parallelism the routing is one launch of
-        moe_decode.route (one program per token) at any batch, not torch's five."""
+        """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts: a
+        small batch routes inside the decode kernels' launches, a larger one through select."""
         if self._takes_decode_path(hidden.shape[0], top_k):
             return self._decode_kernels(hidden, router_logits=router_logits, top_k=top_k,
                                         renormalize=renormalize)
+        return self(hidden, *self.select(router_logits, top_k, renormalize=renormalize))
+
+    def select(self, router_logits: torch.Tensor, top_k: int, **routing: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """select_experts(router_logits, top_k, **routing). On aiter-triton without expert
+        parallelism it is one launch of moe_decode.route (where that takes the routing), not
+        torch's five to fifteen small ops."""
         if self.backend is KernelBackend.AITER_TRITON and self.dispatcher is None \
                 and router_logits.is_cuda:
-            from tandem.workers.ops.gpu.moe_decode import route  # needs triton
-            topk_weights, topk_ids = route(router_logits, top_k, renormalize)
-        else:
-            topk_weights, topk_ids = select_experts(router_logits, top_k,
-                                                    renormalize=renormalize)
-        return self(hidden, topk_weights, topk_ids)
+            from tandem.workers.ops.gpu.moe_decode import route, route_supported  # triton
+            if route_supported(router_logits.shape[1], routing.get("n_group")):
+                return route(router_logits, top_k, **routing)
+        return select_experts(router_logits, top_k, **routing)
 
     def _decode_kernels(self, hidden: torch.Tensor, **routing: object) -> torch.Tensor:
         """moe_decode.decode_moe over this rank's experts (`routing`: router logits and top_k,

@@ -48,41 +48,73 @@ ROUTE_TILE = 2048
 
 
 @triton.jit
-def _softmax_top_k(logits_ptr, stride_logits, rows, E, TOP_K: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-    """Routing of the tokens `rows` [R] from their E logits each: softmax, the TOP_K best
-    (weights fp32 [R, BLOCK_TOPK], ids int32 [R, BLOCK_TOPK], best first), optionally
-    renormalised to sum to 1. Ties go to the lower expert id."""
+def _route_rows(logits_ptr, stride_logits, rows, bias_ptr, scale, E, TOP_K: tl.constexpr,
+                RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_TOPK: tl.constexpr):
+    """Routing of the tokens `rows` [R] from their E logits each, as moe.select_experts:
+    softmax or sigmoid scores; the choice is the score plus the correction bias (HAS_BIAS);
+    with N_GROUP > 1 only the TOPK_GROUP best groups of BLOCK_E // N_GROUP experts are
+    eligible (a group's score: its top two choices summed with a bias, else its best); the
+    TOP_K best choices (ids int32 [R, BLOCK_TOPK], best first; ties to the lower id) weighted
+    by their scores (fp32), renormalised (sigmoid: over the sum plus 1e-20), times scale."""
     experts = tl.arange(0, BLOCK_E)
     is_expert = (experts < E)[None, :]
     x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_logits + experts[None, :],
                 mask=is_expert, other=float("-inf")).to(tl.float32)
-    ex = tl.where(is_expert, tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
-    score = tl.where(is_expert, ex / tl.sum(ex, 1)[:, None], -1.0)
+    if SIGMOID:
+        score = tl.where(is_expert, 1.0 / (1.0 + tl.exp(-x)), -1.0)
+    else:
+        ex = tl.where(is_expert, tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
+        score = tl.where(is_expert, ex / tl.sum(ex, 1)[:, None], -1.0)
+    choice = score
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + experts, mask=experts < E, other=0.0).to(tl.float32)
+        choice = tl.where(is_expert, score + bias[None, :], float("-inf"))
+    if N_GROUP > 1:  # BLOCK_E == E here: N_GROUP equal groups of consecutive experts
+        grouped = tl.reshape(choice, [rows.shape[0], N_GROUP, BLOCK_E // N_GROUP])
+        group_score = tl.max(grouped, 2)
+        if HAS_BIAS:
+            members = tl.arange(0, BLOCK_E // N_GROUP)[None, None, :]
+            first = tl.argmax(grouped, 2)
+            group_score += tl.max(tl.where(members == first[:, :, None], float("-inf"),
+                                           grouped), 2)
+        groups = tl.arange(0, N_GROUP)[None, :]
+        eligible = tl.zeros([rows.shape[0], N_GROUP], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best_group = tl.argmax(group_score, 1)[:, None]
+            eligible = tl.where(groups == best_group, 1, eligible)
+            group_score = tl.where(groups == best_group, float("-inf"), group_score)
+        choice = tl.reshape(tl.where(eligible[:, :, None] == 1, grouped, float("-inf")),
+                            [rows.shape[0], BLOCK_E])
     slots = tl.arange(0, BLOCK_TOPK)[None, :]
     top_w = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(score, 1)
-        top_w = tl.where(slots == j, tl.max(score, 1)[:, None], top_w)
-        top_i = tl.where(slots == j, best.to(tl.int32)[:, None], top_i)
-        score = tl.where(experts[None, :] == best[:, None], -2.0, score)
+        best = tl.argmax(choice, 1)[:, None]
+        weight = tl.sum(tl.where(experts[None, :] == best, score, 0.0), 1)
+        top_w = tl.where(slots == j, weight[:, None], top_w)
+        top_i = tl.where(slots == j, best.to(tl.int32), top_i)
+        choice = tl.where(experts[None, :] == best, float("-inf"), choice)
     if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]
-    return top_w, top_i
+        total = tl.sum(top_w, 1)[:, None]
+        top_w = top_w / (total + 1e-20) if SIGMOID else top_w / total
+    return top_w * scale, top_i
 
 
 @triton.jit(do_not_specialize=["T"])
-def _route_kernel(logits_ptr, stride_logits, weights_ptr, ids_ptr, T, E, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
-    """BLOCK_T tokens a program: softmax over the E logits, the TOP_K best (weights fp32, ids
-    int32, best first), optionally renormalised to sum to 1. Rows past T read the last token
-    and store nothing."""
+def _route_kernel(logits_ptr, stride_logits, bias_ptr, scale, weights_ptr, ids_ptr, T, E,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """BLOCK_T tokens a program, each routed by _route_rows (weights fp32, ids int32, best
+    first). Rows past T read the last token and store nothing."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     wait_for_previous_kernel(USE_PDL)  # the logits come from the router's GEMV
-    top_w, top_i = _softmax_top_k(logits_ptr, stride_logits, tl.minimum(tokens, T - 1), E,
-                                  TOP_K, RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+    top_w, top_i = _route_rows(logits_ptr, stride_logits, tl.minimum(tokens, T - 1), bias_ptr,
+                               scale, E, TOP_K, RENORMALIZE, SIGMOID, HAS_BIAS, N_GROUP,
+                               TOPK_GROUP, BLOCK_E, BLOCK_TOPK)
     slots = tl.arange(0, BLOCK_TOPK)[None, :]
     out = tokens.to(tl.int64)[:, None] * TOP_K + slots
     mask = (tokens < T)[:, None] & (slots < TOP_K)
@@ -202,13 +234,13 @@ def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, id
                               USE_PDL: tl.constexpr):
     """One token: act[slot, n] = silu(x . w[e, n]) * (x . w[e, I + n]) for the expert e of
     slot = program_id(0) and BLOCK_N of the I columns. FROM_LOGITS: every program routes the
-    token itself (softmax, top-k, renormalise over E logits, as _route_kernel) and program
+    token itself (softmax, top-k, renormalise over E logits: _route_rows) and program
     (0, 0) stores the weights and ids for the down kernel; else it reads its slot's id."""
     slot = tl.program_id(0)
     wait_for_previous_kernel(USE_PDL)  # the logits or ids come from the previous kernel
     if FROM_LOGITS:
-        top_w, top_i = _softmax_top_k(logits_ptr, 0, tl.zeros([1], tl.int32), E, TOP_K,
-                                      RENORMALIZE, BLOCK_E, BLOCK_TOPK)
+        top_w, top_i = _route_rows(logits_ptr, 0, tl.zeros([1], tl.int32), logits_ptr, 1.0, E,
+                                   TOP_K, RENORMALIZE, False, False, 1, 1, BLOCK_E, BLOCK_TOPK)
         top_w, top_i = tl.sum(top_w, 0), tl.sum(top_i, 0)  # the one row, [BLOCK_TOPK]
         slots = tl.arange(0, BLOCK_TOPK)
         if (slot == 0) & (tl.program_id(1) == 0):
@@ -303,22 +335,45 @@ def fits(num_tokens: int, top_k: int) -> bool:
     return 0 < num_tokens * top_k <= MAX_PAIRS
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing on the GPU: router_logits [T, E] -> (weights [T, k] fp32, ids
-    [T, k] int32), as select_experts(scoring="softmax") gives them (ids best first). A program
-    routes up to ROUTE_TILE // E tokens (one at a time in decode's single-token steps), so a
-    prefill's thousands of tokens are a few hundred programs, not one each."""
+def route_supported(num_experts: int, n_group: int | None = None) -> bool:
+    """Whether route() takes this routing: grouped routing needs a power-of-two expert count
+    (the groups are one reshape of the tile)."""
+    return not n_group or n_group <= 1 or (
+        num_experts == triton.next_power_of_2(num_experts) and num_experts % n_group == 0)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
+          scoring: str = "softmax", e_score_correction_bias: torch.Tensor | None = None,
+          n_group: int | None = None, topk_group: int | None = None,
+          routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.select_experts on the GPU in one launch: router_logits [T, E] -> (weights [T, k]
+    fp32, ids [T, k] int32, best first), the same arguments (grouped routing where
+    route_supported). A program routes up to ROUTE_TILE // E tokens (one at a time in
+    decode's single-token steps), so a prefill's thousands of tokens are a few hundred
+    programs, not one each."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring={scoring!r} is not 'softmax' or 'sigmoid'")
     num_tokens, num_experts = router_logits.shape
+    if not route_supported(num_experts, n_group):
+        raise ValueError(f"route: {num_experts} experts in n_group={n_group} groups need a "
+                         "power-of-two expert count that the groups divide")
     block_e = triton.next_power_of_2(num_experts)
     block_t = min(triton.next_power_of_2(num_tokens), max(1, ROUTE_TILE // block_e))
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    groups = n_group if n_group and n_group > 1 else 1
+    has_bias = e_score_correction_bias is not None
     pdl = pdl_enabled(router_logits.device)
     _route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, router_logits.stride(0), weights, ids, num_tokens, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        router_logits, router_logits.stride(0),
+        e_score_correction_bias if has_bias else router_logits, float(routed_scaling_factor),
+        weights, ids, num_tokens, num_experts, TOP_K=top_k, RENORMALIZE=renormalize,
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, N_GROUP=groups,
+        TOPK_GROUP=(topk_group or groups) if groups > 1 else 1, BLOCK_T=block_t,
+        BLOCK_E=block_e, BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl,
+        launch_pdl=pdl, num_warps=4)
     return weights, ids
 
 
