@@ -7,9 +7,8 @@ Decode (`--batches`): routing from random logits, then the experts, timed as CUD
 with the weights rotated through copies so they come from HBM (bench/engine_limits). Three
 paths: `aiter` (select_experts + moe_aiter.aiter_triton_fused_moe, the general path), `decode`
 (moe_decode.decode_moe with the logits: route, align and both projections in its own kernels)
-at its default config, and the best of a small sweep of decode configs; at batch 1 a second
-row gives the best of the one-token (slot, columns) grid's sweep. The floor is the distinct
-chosen experts' bytes at the measured copy bandwidth.
+at its default config, and the best of a small sweep of decode configs. The floor is the
+distinct chosen experts' bytes at the measured copy bandwidth.
 
 Prefill (`--prefill-tokens`): AITER's fused_moe at a handful of block configs, as a fraction of
 the measured bf16 matmul rate (expert FLOPs only). bench/probes/moe_prefill.py splits the
@@ -47,11 +46,6 @@ def decode_table(args, copy_bps: float) -> list[str]:
                     num_warps=w, num_stages=s)
                for n, dn, bk, dk, (w, s) in itertools.product(
                    (16, 32, 64), (16, 64), (128, 256), (128, 256), ((4, 3), (4, 4), (8, 3)))]
-    one_token = [dict(block_m=16, gate_up_block_n=n, down_block_n=dn, block_k=bk,
-                      down_block_k=bk, num_warps=w, num_stages=s, one_token=True,
-                      sum_in_down=fold)
-                 for n, dn, bk, (w, s), fold in itertools.product(
-                     (16, 32), (8, 16, 32), (256, 512), ((4, 2), (4, 3), (8, 3)), (False, True))]
     lines = [f"{'batch':>5} {'floor us':>8} {'aiter us':>8} {'decode us':>9} {'best us':>8} "
              f"{'best/floor':>10}  best config"]
     for batch in args.batches:
@@ -70,18 +64,13 @@ def decode_table(args, copy_bps: float) -> list[str]:
                                          router_logits=logits, top_k=k, config=config)
         aiter_s = time_graphed(aiter)
         decode_s = time_graphed(decode) if moe_decode.fits(batch, k) else float("nan")
-        grids = {"expert grid": configs}
-        if batch == 1:
-            grids["one-token grid"] = one_token
-        for grid, sweep in grids.items():
-            best = (float("inf"), None)
-            if moe_decode.fits(batch, k):
-                for config in sweep:
-                    best = min(best, (time_graphed(lambda j: decode(j, config)), str(config)),
-                               key=lambda r: r[0])
-            lines.append(f"{batch:>5} {floor * 1e6:8.1f} {aiter_s * 1e6:8.1f} "
-                         f"{decode_s * 1e6:9.1f} {best[0] * 1e6:8.1f} "
-                         f"{best[0] / floor:10.2f}  {grid}: {best[1]}")
+        best = (float("inf"), None)
+        if moe_decode.fits(batch, k):
+            for config in configs:
+                best = min(best, (time_graphed(lambda j: decode(j, config)), str(config)),
+                           key=lambda r: r[0])
+        lines.append(f"{batch:>5} {floor * 1e6:8.1f} {aiter_s * 1e6:8.1f} {decode_s * 1e6:9.1f} "
+                     f"{best[0] * 1e6:8.1f} {best[0] / floor:10.2f}  {best[1]}")
     del weights
     torch.cuda.empty_cache()
     return lines

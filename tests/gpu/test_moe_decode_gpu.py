@@ -109,41 +109,6 @@ def test_decode_moe_replays_in_a_cuda_graph():
         assert rel(out, torch_fused_moe(hidden, w13, w2, weights, ids)) <= MAX_REL
 
 
-ONE_TOKEN_CONFIGS = [dict(gate_up_block_n=16, down_block_n=16, block_k=256, down_block_k=256,
-                         num_warps=4, num_stages=3),
-                    dict(gate_up_block_n=64, down_block_n=32, block_k=128, down_block_k=128,
-                         num_warps=8, num_stages=2, sum_in_down=True)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", ONE_TOKEN_CONFIGS)
-@pytest.mark.parametrize("num_experts, top_k, hidden_size, size", SHAPES)
-def test_one_token_grid_matches_torch_and_replays(num_experts, top_k, hidden_size, size, tile):
-    """One token on the (slot, columns) grid, routed in its gate_up launch or from given ids,
-    the sum over k in its own launch or in the down launch, against the reference, and under
-    CUDA-graph replays with new logits."""
-    hidden, w13, w2, logits = make_case(1, num_experts, hidden_size, size, seed=top_k)
-    config = dict(moe_decode.default_config(top_k), one_token=True, **tile)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
-    ref = torch_fused_moe(hidden, w13, w2, weights, ids)
-    given = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids,
-                                  config=config)
-    static_logits = logits.clone()
-    moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=top_k,
-                          config=config)  # compile
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        routed = moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits,
-                                       top_k=top_k, config=config)
-    assert rel(given, ref) <= MAX_REL
-    for seed in range(3):
-        static_logits.copy_(torch.randn(1, num_experts, device="cuda", generator=torch.Generator(
-            device="cuda").manual_seed(seed)))
-        graph.replay()
-        weights, ids = select_experts(static_logits, top_k, renormalize=True)
-        assert rel(routed, torch_fused_moe(hidden, w13, w2, weights, ids)) <= MAX_REL
-
-
 @pytest.mark.gpu
 def test_fused_moe_module_takes_decode_path_on_aiter_backend():
     from tandem.workers.ops.aiter_compat import aiter_available

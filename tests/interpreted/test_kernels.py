@@ -295,23 +295,6 @@ def test_route_matches_select_experts(num_tokens, num_experts, top_k, routing):
 
 
 @DTYPES
-@pytest.mark.parametrize("top_k", [1, 4, 8])
-@pytest.mark.parametrize("sum_in_down", [False, True])
-def test_moe_decode_one_token_grid(top_k, sum_in_down, dtype):
-    """One token on the (slot, columns) grid, routed inside the gate_up launch or from given
-    ids, with the sum over k in its own launch or in the down launch, against the reference;
-    narrow column blocks so each slot spans several programs."""
-    x, w13, w2, logits = experts(1, 8, 48, 24, dtype, seed=20 + top_k)
-    weights, ids = select_experts(logits, top_k, renormalize=True)
-    want = torch_fused_moe(x, w13, w2, weights, ids)
-    config = dict(moe_decode.default_config(top_k), one_token=True, gate_up_block_n=8,
-                  down_block_n=16, block_k=16, down_block_k=8, sum_in_down=sum_in_down)
-    routed = moe_decode.decode_moe(x, w13, w2, router_logits=logits, top_k=top_k, config=config)
-    given = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, config=config)
-    assert rel(routed, want) <= TOL[dtype] and rel(given, want) <= TOL[dtype]
-
-
-@DTYPES
 def test_moe_prefill(dtype):
     x, w13, w2, logits = experts(40, 8, 64, 32, dtype, seed=9)
     weights, ids = select_experts(logits, 2, renormalize=True)

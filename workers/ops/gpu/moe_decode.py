@@ -6,8 +6,8 @@ launches per layer on routing and on sorting the (token, slot) pairs by expert, 
 CUDA graph still cost a microsecond or more each, and its block-major grid reads an expert's
 weights once per block of 16 pairs. Here a layer runs as
 
-    [route]           one program per token: softmax, top-k, renormalise (when the caller
-                      hands over the router logits rather than chosen ids)
+    [route]           softmax, top-k, renormalise (when the caller hands over the router
+                      logits rather than chosen ids); route() also serves any batch
     [gate_up]         one program per (expert, BLOCK_N columns): finds the pairs that chose
                       its expert (a scan of the T * k ids; none: it stops there), lists them
                       for the down kernel, then their rows of x times [gate | up],
@@ -16,10 +16,6 @@ weights once per block of 16 pairs. Here a layer runs as
                       pair's routing weight
     [sum over k]      one program per (token, 512 columns): each token's k weighted expert
                       outputs added
-
-A single token (config `one_token`) runs on a (slot, columns) grid instead: top_k x column-block
-programs, every one of them working, with the routing inside the gate_up launch, then down and
-the sum over k.
 
 Each chosen expert's weights are read once per step however many tokens chose it (the grid's
 first axis walks experts, not pairs), so the step is bound by the distinct experts' bytes.
@@ -211,92 +207,6 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
 
 
 @triton.jit
-def _dot_rows(vec_ptr, rows_ptr, mask_n, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N] fp32: vec [K] . each of the BLOCK_N rows at rows_ptr [BLOCK_N, 1] (row starts,
-    K contiguous), as a multiply-and-sum over BLOCK_K slices (one vector: no tensor cores)."""
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        v = tl.load(vec_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(rows_ptr + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0)
-        acc += tl.sum(w.to(tl.float32) * v[None, :], 1)
-    return acc
-
-
-@triton.jit
-def _one_token_gate_up_kernel(x_ptr, w_ptr, act_ptr, logits_ptr, weights_ptr, ids_ptr, E, K, I,
-                              stride_we, stride_wn, FROM_LOGITS: tl.constexpr,
-                              TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                              BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              USE_PDL: tl.constexpr):
-    """One token: act[slot, n] = silu(x . w[e, n]) * (x . w[e, I + n]) for the expert e of
-    slot = program_id(0) and BLOCK_N of the I columns. FROM_LOGITS: every program routes the
-    token itself (softmax, top-k, renormalise over E logits: _route_rows) and program
-    (0, 0) stores the weights and ids for the down kernel; else it reads its slot's id."""
-    slot = tl.program_id(0)
-    wait_for_previous_kernel(USE_PDL)  # the logits or ids come from the previous kernel
-    if FROM_LOGITS:
-        top_w, top_i = _route_rows(logits_ptr, 0, tl.zeros([1], tl.int32), logits_ptr, 1.0, E,
-                                   TOP_K, RENORMALIZE, False, False, 1, 1, BLOCK_E, BLOCK_TOPK)
-        top_w, top_i = tl.sum(top_w, 0), tl.sum(top_i, 0)  # the one row, [BLOCK_TOPK]
-        slots = tl.arange(0, BLOCK_TOPK)
-        if (slot == 0) & (tl.program_id(1) == 0):
-            tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
-            tl.store(ids_ptr + slots, top_i, mask=slots < TOP_K)
-        expert = tl.sum(tl.where(slots == slot, top_i, 0), 0)
-    else:
-        expert = tl.load(ids_ptr + slot)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    gate_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    gate = _dot_rows(x_ptr, gate_rows, mask_n, K, BLOCK_N, BLOCK_K)
-    up = _dot_rows(x_ptr, gate_rows + I * stride_wn, mask_n, K, BLOCK_N, BLOCK_K)
-    gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + slot * I + offs_n, act.to(act_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K, stride_we,
-                   stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """weight[slot] * (act[slot] . w[e, offs_n]) for slot's expert e, in fp32."""
-    expert = tl.load(ids_ptr + slot)
-    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    acc = _dot_rows(act_ptr + slot * K, w_rows, mask_n, K, BLOCK_N, BLOCK_K)
-    return acc * tl.load(weights_ptr + slot)
-
-
-@triton.jit
-def _one_token_down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, K, N, stride_we,
-                           stride_wn, TOP_K: tl.constexpr, SUM_SLOTS: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    """One token, BLOCK_N of the N (hidden) columns a program. SUM_SLOTS: out[0, n] = the sum
-    over slots of weight[slot] * (act[slot] . w[e_slot, n]), each term rounded as a stored row
-    and added in fp32 (the sum over k done here, no further launch); else out[slot, n] = that
-    term for slot = program_id(0)."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    wait_for_previous_kernel(USE_PDL)  # act, ids and weights come from the gate_up kernel
-    if SUM_SLOTS:
-        total = tl.zeros([BLOCK_N], tl.float32)
-        for slot in range(TOP_K):
-            y = _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K,
-                               stride_we, stride_wn, BLOCK_N, BLOCK_K)
-            total += y.to(out_ptr.dtype.element_ty).to(tl.float32)  # as a stored row
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        slot = tl.program_id(0)
-        y = _one_slot_down(act_ptr, w_ptr, weights_ptr, ids_ptr, slot, offs_n, mask_n, K,
-                           stride_we, stride_wn, BLOCK_N, BLOCK_K)
-        tl.store(out_ptr + slot * N + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _sum_slots_kernel(y_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                       BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = sum over j of y[t * TOP_K + j, n], in fp32."""
@@ -320,14 +230,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 def default_config(num_pairs: int) -> dict[str, int]:
     """Block sizes and warps for the two expert kernels: the best of
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
-    percent of each other; 16-row blocks since decode experts see a handful of tokens each).
-    `one_token` (a single token on the (slot, columns) grid, _one_token_moe, with the same
-    block keys; `sum_in_down` there folds the sum over k into its down launch) is off: the
-    expert grid is the measured default; moe_layer.py sweeps both."""
+    percent of each other; 16-row blocks since decode experts see a handful of tokens each)."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
     return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
-            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
-            "one_token": False, "sum_in_down": False}
+            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages}
 
 
 def fits(num_tokens: int, top_k: int) -> bool:
@@ -387,45 +293,6 @@ def _sum_slots(pair_out: torch.Tensor, num_tokens: int, top_k: int, pdl: bool) -
     return out
 
 
-def _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weights, topk_ids,
-                   cfg) -> torch.Tensor:
-    """decode_moe for one token on a (slot, columns) grid: top_k x column-block programs, all
-    of them working, where the expert grid launches num_experts x column blocks and all but
-    top_k rows of it stop at their scan. Routing (from logits) runs inside the gate_up launch,
-    so a layer is three launches. Each projection is a multiply-and-sum per column (one row: no
-    tensor cores), fp32 accumulation, the same roundings as the expert grid. cfg
-    `sum_in_down`: the down launch also adds the k slots (one program per column block
-    walks all k experts), so a layer is two launches."""
-    hidden_size = hidden.shape[1]
-    num_experts, size = w13.shape[0], w13.shape[1] // 2
-    device = hidden.device
-    pdl = pdl_enabled(device)
-    from_logits = router_logits is not None
-    if from_logits:
-        topk_weights = torch.empty(1, top_k, dtype=torch.float32, device=device)
-        topk_ids = torch.empty(1, top_k, dtype=torch.int32, device=device)
-        logits = router_logits.contiguous()
-    else:
-        logits = hidden  # unused: FROM_LOGITS is off
-    act = torch.empty(top_k, size, dtype=hidden.dtype, device=device)
-    _one_token_gate_up_kernel[(top_k, triton.cdiv(size, cfg["gate_up_block_n"]))](
-        hidden, w13, act, logits, topk_weights, topk_ids, num_experts, hidden_size, size,
-        w13.stride(0), w13.stride(1), FROM_LOGITS=from_logits, TOP_K=top_k,
-        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=cfg["gate_up_block_n"],
-        BLOCK_K=cfg["block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    sum_in_down = top_k == 1 or bool(cfg.get("sum_in_down"))
-    rows = 1 if sum_in_down else top_k
-    out = torch.empty(rows, hidden_size, dtype=hidden.dtype, device=device)
-    _one_token_down_kernel[(rows, triton.cdiv(hidden_size, cfg["down_block_n"]))](
-        act, w2, out, topk_weights, topk_ids, size, hidden_size, w2.stride(0), w2.stride(1),
-        TOP_K=top_k, SUM_SLOTS=sum_in_down, BLOCK_N=cfg["down_block_n"],
-        BLOCK_K=cfg["down_block_k"], USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    return out if sum_in_down else _sum_slots(out, 1, top_k, pdl)
-
-
 def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                router_logits: torch.Tensor | None = None, top_k: int | None = None,
                renormalize: bool = True, topk_weights: torch.Tensor | None = None,
@@ -463,9 +330,6 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.float().contiguous()
     hidden = hidden.contiguous()
-    if num_tokens == 1 and cfg.get("one_token"):
-        return _one_token_moe(hidden, w13, w2, router_logits, top_k, renormalize, topk_weights,
-                              topk_ids, cfg)
     if router_logits is not None:
         topk_weights, topk_ids = route(router_logits, top_k, renormalize)
     block_p = triton.next_power_of_2(num_pairs)
