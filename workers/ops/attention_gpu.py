@@ -170,9 +170,11 @@ def _sdpa_takes_gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     keys as they are (enable_gqa, causal, no mask). Either is what the default dispatch then
     runs; without them enable_gqa would fall to the math kernel, which builds the whole
     [H, L, L] score matrix (8 GiB at 8k tokens)."""
+    if not q.is_cuda:
+        return False
     params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, True)
-    return q.is_cuda and (torch.backends.cuda.can_use_flash_attention(params, False)
-                          or torch.backends.cuda.can_use_cudnn_attention(params, False))
+    return torch.backends.cuda.can_use_flash_attention(params, False) \
+        or torch.backends.cuda.can_use_cudnn_attention(params, False)
 
 
 def _fresh_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -283,16 +283,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     return weights, ids
 
 
-def _sum_slots(pair_out: torch.Tensor, num_tokens: int, top_k: int, pdl: bool) -> torch.Tensor:
-    """[T * k, H] weighted expert outputs -> [T, H], each token's k rows added in fp32."""
-    hidden_size = pair_out.shape[1]
-    out = torch.empty(num_tokens, hidden_size, dtype=pair_out.dtype, device=pair_out.device)
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
-        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    return out
-
-
 def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                router_logits: torch.Tensor | None = None, top_k: int | None = None,
                renormalize: bool = True, topk_weights: torch.Tensor | None = None,
@@ -324,14 +314,14 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                          f"{w2.dtype} must share one dtype")
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("decode_moe needs expert weights with contiguous rows")
-    num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs)
-    if router_logits is None:
+    if router_logits is not None:
+        topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    else:
         topk_ids = topk_ids.to(torch.int32).contiguous()
         topk_weights = topk_weights.float().contiguous()
     hidden = hidden.contiguous()
-    if router_logits is not None:
-        topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_pairs)
     block_p = triton.next_power_of_2(num_pairs)
     precision = dot_precision(hidden.dtype)
     device = hidden.device
@@ -351,4 +341,10 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
         DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    return pair_out if top_k == 1 else _sum_slots(pair_out, num_tokens, top_k, pdl)
+    if top_k == 1:
+        return pair_out
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
+        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return out
