@@ -33,15 +33,16 @@ from tandem.workers.ops.moe_aiter import aiter_moe_config, aiter_triton_fused_mo
 BF16 = torch.bfloat16
 REPS = 10
 
-# gate_up tiles swept (block_m, block_n, num_warps, num_stages; block_k 64; block_n columns
-# of I, so a program computes block_n gate and block_n up columns): 12 of the 16 combinations,
-# leaving out 4 warps on 128 x 128 (two 128 x 128 fp32 accumulators on 128 threads) and
-# 8 warps on 64 x 64.
-GATE_UP_SWEEP = [(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8),
-                                                                  (3, 4))
+# gate_up tiles swept (block_m, block_n, num_warps, num_stages, group_size_m; block_k 64;
+# block_n columns of I, so a program computes block_n gate and block_n up columns): 24 of the
+# 32 combinations, leaving out 4 warps on 128 x 128 (two 128 x 128 fp32 accumulators on 128
+# threads) and 8 warps on 64 x 64.
+GATE_UP_SWEEP = [(m, n, w, s, g) for m, n, w, s, g in itertools.product(
+                     (64, 128), (64, 128), (4, 8), (3, 4), (4, 8))
                  if (m, n, w) not in ((128, 128, 4), (64, 64, 8))]
-DOWN_SWEEP = [GemmConfig(256, 64, 8, 4), GemmConfig(256, 64, 8, 3), GemmConfig(128, 64, 8, 4),
-              GemmConfig(128, 64, 4, 4), GemmConfig(128, 128, 8, 3)]
+DOWN_SWEEP = [GemmConfig(256, 64, 8, 4, g) for g in (1, 4, 8, 16)] + [
+    GemmConfig(256, 64, 8, 3), GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 4, 4),
+    GemmConfig(128, 128, 8, 3)]
 
 
 def case(args, num_tokens: int):
@@ -115,16 +116,15 @@ def new_path(args, c, flops, matmul_rate, config: PrefillConfig) -> dict:
     hidden, w13, w2, weights, ids = c
     t, k, h = hidden.shape[0], args.top_k, args.hidden
     aligned = moe_prefill.align_by_expert(ids, args.experts, config.block_m)
-    act = moe_prefill.gate_up_silu(hidden, w13, *aligned, k, config.block_m, config.gate_up,
-                                   config.group_size_m)
+    act = moe_prefill.gate_up_silu(hidden, w13, *aligned, k, config.block_m, config.gate_up)
     pair_out = moe_prefill.down_weighted(act, w2, weights, *aligned, config.block_m,
-                                         config.down, config.group_size_m)
+                                         config.down)
     parts = {
         "align": lambda: moe_prefill.align_by_expert(ids, args.experts, config.block_m),
         "gate_up": lambda: moe_prefill.gate_up_silu(hidden, w13, *aligned, k, config.block_m,
-                                                    config.gate_up, config.group_size_m),
+                                                    config.gate_up),
         "down": lambda: moe_prefill.down_weighted(act, w2, weights, *aligned, config.block_m,
-                                                  config.down, config.group_size_m),
+                                                  config.down),
         "sum over k": lambda: pair_out.view(t, k, h).sum(dim=1),
     }
     result = timed_parts(parts, flops, matmul_rate)
@@ -140,12 +140,12 @@ def sweep(args, c, flops, matmul_rate, default: PrefillConfig, with_down: bool) 
     hidden, w13, w2, weights, ids = c
     k = args.top_k
     rows = []
-    for block_m, block_n, warps, stages in GATE_UP_SWEEP:
-        tile = GemmConfig(block_n, 64, warps, stages)
+    for block_m, block_n, warps, stages, group in GATE_UP_SWEEP:
+        tile = GemmConfig(block_n, 64, warps, stages, group)
         aligned = moe_prefill.align_by_expert(ids, args.experts, block_m)
         try:
             seconds = time_cuda(lambda: moe_prefill.gate_up_silu(
-                hidden, w13, *aligned, k, block_m, tile, default.group_size_m), reps=REPS)
+                hidden, w13, *aligned, k, block_m, tile), reps=REPS)
         except Exception as exc:  # a tile that does not fit fails to compile: say so, go on
             rows.append({"block_m": block_m, "tile": repr(tile), "error": type(exc).__name__})
             continue
@@ -157,8 +157,7 @@ def sweep(args, c, flops, matmul_rate, default: PrefillConfig, with_down: bool) 
     for tile in DOWN_SWEEP if with_down else ():
         try:
             seconds = time_cuda(lambda: moe_prefill.down_weighted(
-                act, w2, weights, *aligned, default.block_m, tile, default.group_size_m),
-                reps=REPS)
+                act, w2, weights, *aligned, default.block_m, tile), reps=REPS)
         except Exception as exc:
             down_rows.append({"block_m": default.block_m, "tile": repr(tile),
                               "error": type(exc).__name__})

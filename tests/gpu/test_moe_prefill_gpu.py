@@ -92,8 +92,8 @@ def test_fp32_matches_to_rounding():
 CONFIGS = [PrefillConfig(m, GemmConfig(n, 64, w, s), GemmConfig(128, 64, 8, 4))
            for m, n, w, s in ((64, 64, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3),
                               (128, 64, 4, 4), (64, 128, 8, 3))]
-CONFIGS += [PrefillConfig(16, GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), 1),
-            PrefillConfig(32, GemmConfig(128, 32, 4, 2), GemmConfig(32, 256, 4, 2), 4)]
+CONFIGS += [PrefillConfig(16, GemmConfig(32, 128, 4, 3, 1), GemmConfig(64, 128, 4, 3, 1)),
+            PrefillConfig(32, GemmConfig(128, 32, 4, 2, 4), GemmConfig(32, 256, 4, 2, 16))]
 
 
 @pytest.mark.gpu
@@ -197,5 +197,8 @@ def test_bad_arguments_are_named():
         moe_prefill.prefill_fused_moe(hidden.double(), w13, w2, weights, ids)
     with pytest.raises(ValueError, match="activation='silu' only"):
         moe_prefill.prefill_fused_moe(hidden, w13, w2, weights, ids, activation="swigluoai")
-    with pytest.raises(ValueError, match="contiguous rows"):
+    with pytest.raises(ValueError, match="contiguous expert weights"):
         moe_prefill.prefill_fused_moe(hidden, w13.transpose(1, 2), w2, weights, ids)
+    with pytest.raises(ValueError, match="multiples of 4 for torch.float32"):  # 24-byte rows
+        moe_prefill.prefill_fused_moe(hidden, torch.zeros(4, 12, 8), torch.zeros(4, 8, 6),
+                                      weights, ids)

@@ -21,9 +21,9 @@ makes one `fused_moe` launch per projection. On aiter-triton, batches of at most
 (workers/ops/gpu/moe_decode.py: routing, grouping and both projections in four launches, each
 chosen expert's weights read once); `FusedMoE.forward_logits` lets softmax-routed models hand
 over the router logits so the routing joins that path. Larger batches take AITER's fused_moe,
-or, when the `moe_prefill` kernel option turns them on, our prefill kernels
-(workers/ops/gpu/moe_prefill.py: the grouping in three launches, then grouped GEMMs with
-SiLU-and-mul fused into gate_up).
+or, when the `moe_prefill` kernel option turns them on and the expert sizes are multiples of
+8, our prefill kernels (workers/ops/gpu/moe_prefill.py: the grouping in three launches, then
+grouped GEMMs with SiLU-and-mul fused into gate_up).
 """
 from __future__ import annotations
 
@@ -161,6 +161,13 @@ def prefill_kernels_fused_moe(*args: object, **kwargs: object) -> torch.Tensor:
     return prefill_fused_moe(*args, **kwargs)
 
 
+def _prefill_kernels_take(hidden_size: int, intermediate_size: int) -> bool:
+    """Whether moe_prefill's tensor descriptors take experts of this shape in any dtype the
+    kernels run (2- and 4-byte elements)."""
+    from tandem.workers.ops.gpu.moe_prefill import rows_aligned  # needs triton
+    return rows_aligned(hidden_size, intermediate_size, element_size=2)
+
+
 # The aiter-triton kernel (CUDA and ROCm) lives in moe_aiter.py; on aiter-triton the
 # `moe_prefill` kernel option swaps in prefill_kernels_fused_moe (same contract).
 FusedMoEKernel = Callable[..., torch.Tensor]
@@ -214,7 +221,8 @@ class FusedMoE(nn.Module):
         self.backend = backend
         options = kernel_options.current()
         self._fused_moe = prefill_kernels_fused_moe if (
-            backend is KernelBackend.AITER_TRITON and options.moe_prefill) else _KERNELS[backend]
+            backend is KernelBackend.AITER_TRITON and options.moe_prefill
+            and _prefill_kernels_take(hidden_size, size)) else _KERNELS[backend]
         # Batches of up to this many (token, slot) pairs take the decode kernels; 0: none.
         self.decode_max_pairs = DECODE_MAX_PAIRS if (
             backend is KernelBackend.AITER_TRITON and self.dispatcher is None

@@ -114,10 +114,13 @@ def test_moe_prefill_option_picks_the_large_batch_kernel(monkeypatch, moe_prefil
     try:
         kernel_options.install(KernelOptions(moe_prefill=moe_prefill))
         layer = FusedMoE(4, 16, 8, backend=KernelBackend.AITER_TRITON)
+        # 12-wide expert rows (24 bytes) are not what the kernels' tensor descriptors take
+        unaligned = FusedMoE(4, 16, 12, backend=KernelBackend.AITER_TRITON)
     finally:
         kernel_options.install(installed)
     expected = moe.prefill_kernels_fused_moe if moe_prefill else aiter_triton_fused_moe
     assert layer._fused_moe is expected
+    assert unaligned._fused_moe is aiter_triton_fused_moe
     assert FusedMoE(4, 16, 8)._fused_moe is torch_fused_moe  # the torch backend never
 
 

@@ -8,9 +8,10 @@ A layer runs as
                 that also writes each block's expert
     [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
                 rows of x times the gate rows and the matching up rows of the block's expert,
-                two fp32 accumulators, silu(gate) * up stored as the activation [T*k, I]
-    [down]      one program per (BLOCK_M sorted pairs, BLOCK_N of the H columns): act times
-                down, times each pair's routing weight, stored per pair [T*k, H]
+                two fp32 accumulators, silu(gate) * up stored in sorted order [P, I]
+    [down]      one program per (BLOCK_M sorted rows, BLOCK_N of the H columns): those rows of
+                the activation times down, times each pair's routing weight, stored per pair
+                [T*k, H]
     [sum over k]  each token's k weighted expert outputs added (torch)
 
 The sorted layout is the one AITER's `fused_moe` reads (moe_aiter.align_by_expert is the
@@ -18,6 +19,14 @@ reference): flat pair ids t * k + j, expert by expert in pair order, each expert
 to BLOCK_M with the id T * k, one expert id per block, and the padded length on the device.
 Programs walk the blocks in groups of GROUP_SIZE_M block rows so that a group's expert weights
 and token rows stay in L2 while every column block uses them.
+
+Expert weights, and the activation (whose rows the gate_up launch stores in sorted order, so a
+block's rows are contiguous), are read through Triton tensor descriptors: on Hopper and later
+each tile is one TMA copy into shared memory rather than a load per thread, which frees the
+warps for the tensor cores (the gathered token rows of x stay per-thread loads). A descriptor
+covers a 2-D row-major view ([E * 2I, H], [E * H, I], [P, I]), so rows must start 16-byte
+aligned (`rows_aligned`); a tile reaching past a view's edge reads zeros, and a gate or up tile
+reaching past its I rows reads the next rows of the view into columns that are never stored.
 
 No host sync and no recompile per token count: the grids are sized on the host from an upper
 bound on the padded length (blocks past the device's padded length return at once), and token
@@ -36,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tandem.workers.ops.gpu.moe_decode import dot_precision
 from tandem.workers.ops.moe_aiter import check_aiter_triton_args, padded_capacity
@@ -44,6 +54,8 @@ from tandem.workers.ops.moe_aiter import check_aiter_triton_args, padded_capacit
 # programs to count and scatter in parallel, few enough rows of counts for the one-program
 # prefix sums to read in one pass.
 MAX_CHUNKS = 128
+# A tensor descriptor's rows start at multiples of this many bytes (TMA's requirement).
+ROW_ALIGN_BYTES = 16
 
 
 # ---- align: the (token, slot) pairs sorted by expert ------------------------------------------
@@ -176,83 +188,68 @@ def _grouped_block(pid, num_blocks_m, num_blocks_n, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
-def _gate_up_silu_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
-                         num_pairs, num_blocks_m, K, I, stride_x, stride_we, stride_wn,
-                         stride_act, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    """act[pair, n] = silu(x[pair // TOP_K] . w[e, n]) * (x[pair // TOP_K] . w[e, I + n]) for
-    one block of BLOCK_M sorted pairs (all of expert e) and BLOCK_N of the I columns."""
+def _gate_up_silu_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
+                         num_pairs, num_blocks_m, K, I, stride_x, stride_act,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+                         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """act[r, n] = silu(x[pair // TOP_K] . w[e, n]) * (x[pair // TOP_K] . w[e, I + n]) for one
+    block of BLOCK_M sorted rows r (pair = sorted[r], all of expert e; padding rows get 0) and
+    BLOCK_N of the I columns. w_desc: w13 as [E * 2I, K], [BLOCK_N, BLOCK_K] tiles."""
     pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N),
                                   GROUP_SIZE_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + rows)
     is_pair = pairs < num_pairs  # padding slots hold num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m)
+    gate_row = expert * 2 * I + pid_n * BLOCK_N
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    # Columns past I read a real gate row (n mod I) and are never stored: no mask on w.
-    gate_ptrs = w_ptr + expert * stride_we + (offs_n % I)[None, :] * stride_wn + offs_k[:, None]
-    up_ptrs = gate_ptrs + I * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=is_pair[:, None], other=0.0)
-            w_gate = tl.load(gate_ptrs)
-            w_up = tl.load(up_ptrs)
         else:
-            in_k = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-            w_gate = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
-            w_up = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
-        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, w_up, acc_up, input_precision=DOT_PRECISION)
+            x = tl.load(x_ptrs, mask=is_pair[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w_gate = w_desc.load([gate_row, k0])  # [BLOCK_N, BLOCK_K]; past K: zeros
+        w_up = w_desc.load([gate_row + I, k0])
+        acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, w_up.T, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + pairs.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < I)[None, :])
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
-def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-                 num_post_pad_ptr, num_pairs, num_blocks_m, K, N, stride_act, stride_we,
-                 stride_wn, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr, EVEN_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for one block of BLOCK_M sorted pairs
-    (all of expert e) and BLOCK_N of the N (hidden) columns."""
+def _down_kernel(act_desc, w_desc, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
+                 num_post_pad_ptr, num_pairs, num_blocks_m, K, N, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_SIZE_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[pair, n] = weight[pair] * (act[r] . w[e, n]) for one block of BLOCK_M sorted rows r
+    (pair = sorted[r], all of expert e) and BLOCK_N of the N (hidden) columns. act_desc: the
+    sorted activation [P, K], [BLOCK_M, BLOCK_K] tiles; w_desc: w2 as [E * N, K],
+    [BLOCK_N, BLOCK_K] tiles."""
     pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N),
                                   GROUP_SIZE_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    is_pair = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * stride_act + offs_k[None, :]
-    # Columns past N read a real row (n mod N) and are never stored: no mask on w.
-    w_ptrs = w_ptr + expert * stride_we + (offs_n % N)[None, :] * stride_wn + offs_k[:, None]
+    expert = tl.load(expert_ids_ptr + pid_m)
+    w_row = expert * N + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=is_pair[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            in_k = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=is_pair[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        a = act_desc.load([pid_m * BLOCK_M, k0])  # past K: zeros (in both operands)
+        w = w_desc.load([w_row, k0])
+        acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     routing_weight = tl.load(weights_ptr + pairs, mask=is_pair, other=0.0)
     y = acc * routing_weight[:, None]
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
@@ -262,12 +259,14 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_pt
 @dataclass(frozen=True, slots=True)
 class GemmConfig:
     """One grouped GEMM's tile: BLOCK_N output columns (for gate_up, BLOCK_N gate columns and
-    the BLOCK_N matching up columns), BLOCK_K of the reduction per step."""
+    the BLOCK_N matching up columns), BLOCK_K of the reduction per step, and the block rows
+    walked together (GROUP_SIZE_M)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    group_size_m: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,23 +277,25 @@ class PrefillConfig:
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
-    group_size_m: int = 8
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int,
                    element_size: int = 2) -> PrefillConfig:
     """By the mean number of pairs per expert: blocks of rows no taller than an expert's run
     (padding rows cost a full row of work), 128 x 256 output tiles (gate_up: 128 gate and 128
-    up columns) once experts have hundreds of rows. Each stage of the 128-row tiles holds
-    48 KiB of shared memory for 2-byte elements, so four stages fit a Hopper SM; wider elements
-    (fp32) take a proportionally shorter BLOCK_K to keep each stage's bytes."""
+    up columns) once experts have hundreds of rows, gate_up walking 4 block rows at a time
+    (`python bench/probes/moe_prefill.py` at Qwen3-30B-A3B's experts). Each stage of the
+    128-row tiles holds 48 KiB of shared memory for 2-byte elements, so four stages fit a
+    Hopper SM; wider elements (fp32) take a proportionally shorter BLOCK_K to keep each
+    stage's bytes."""
     pairs_per_expert = num_tokens * top_k / num_experts
     if pairs_per_expert <= 32:
         config = PrefillConfig(32, GemmConfig(128, 64, 4, 4), GemmConfig(128, 64, 4, 4))
     elif pairs_per_expert <= 128:
         config = PrefillConfig(64, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
     else:
-        config = PrefillConfig(128, GemmConfig(128, 64, 8, 4), GemmConfig(256, 64, 8, 4))
+        config = PrefillConfig(128, GemmConfig(128, 64, 8, 4, group_size_m=4),
+                               GemmConfig(256, 64, 8, 4))
     if element_size <= 2:
         return config
     shrink = element_size // 2
@@ -304,21 +305,34 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
         down=dataclasses.replace(config.down, block_k=config.down.block_k // shrink))
 
 
+def rows_aligned(hidden_size: int, intermediate_size: int, element_size: int = 2) -> bool:
+    """Whether the kernels' tensor descriptors take experts of this shape: every row of w13,
+    w2 and the activation ([*, H] and [*, I]) starts ROW_ALIGN_BYTES-aligned."""
+    return (hidden_size * element_size) % ROW_ALIGN_BYTES == 0 \
+        and (intermediate_size * element_size) % ROW_ALIGN_BYTES == 0
+
+
+def _rows_of(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """t (contiguous, any rank) as a 2-D [rows, last dim] descriptor with `block` tiles."""
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block)
+
+
 def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor,
                  expert_ids: torch.Tensor, num_post_pad: torch.Tensor, top_k: int,
-                 block_m: int, tile: GemmConfig, group_size_m: int = 8) -> torch.Tensor:
-    """silu(x W_gate^T) * (x W_up^T) of each pair's expert: hidden [T, H], w13 [E, 2I, H],
-    the align outputs for block_m -> act [T * k, I] (row t * k + j: token t's j-th expert)."""
+                 block_m: int, tile: GemmConfig) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) of each pair's expert: hidden [T, H], w13 [E, 2I, H]
+    (contiguous), the align outputs for block_m -> act [P, I] in sorted order (row r: pair
+    sorted_ids[r]; padding rows 0, rows past the padded length unwritten)."""
     num_tokens, hidden_size = hidden.shape
     size = w13.shape[1] // 2
-    act = torch.empty(num_tokens * top_k, size, dtype=hidden.dtype, device=hidden.device)
+    act = torch.empty(sorted_ids.numel(), size, dtype=hidden.dtype, device=hidden.device)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(size, tile.block_n),)
     _gate_up_silu_kernel[grid](
-        hidden, w13, act, sorted_ids, expert_ids, num_post_pad, num_tokens * top_k,
-        num_blocks_m, hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        hidden, _rows_of(w13, [tile.block_n, tile.block_k]), act, sorted_ids, expert_ids,
+        num_post_pad, num_tokens * top_k, num_blocks_m, hidden_size, size, hidden.stride(0),
         act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, GROUP_SIZE_M=group_size_m,
+        BLOCK_K=tile.block_k, GROUP_SIZE_M=tile.group_size_m,
         EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act
@@ -326,21 +340,22 @@ def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tens
 
 def down_weighted(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                  num_post_pad: torch.Tensor, block_m: int, tile: GemmConfig,
-                  group_size_m: int = 8) -> torch.Tensor:
+                  num_post_pad: torch.Tensor, block_m: int, tile: GemmConfig) -> torch.Tensor:
     """Each pair's activation through its expert's down projection, times its routing weight:
-    act [T * k, I], w2 [E, H, I], topk_weights [T, k] -> [T * k, H]."""
-    num_pairs, size = act.shape
+    act [P, I] in sorted order (gate_up_silu's), w2 [E, H, I] (contiguous), topk_weights
+    [T, k] -> [T * k, H] (row t * k + j: token t's j-th expert)."""
+    size = act.shape[1]
+    num_pairs = topk_weights.numel()
     hidden_size = w2.shape[1]
     weights = topk_weights.reshape(-1).float().contiguous()
     out = torch.empty(num_pairs, hidden_size, dtype=act.dtype, device=act.device)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(hidden_size, tile.block_n),)
     _down_kernel[grid](
-        act, w2, out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_blocks_m,
-        size, hidden_size, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_SIZE_M=group_size_m, EVEN_K=size % tile.block_k == 0,
+        _rows_of(act, [block_m, tile.block_k]), _rows_of(w2, [tile.block_n, tile.block_k]),
+        out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_blocks_m, size,
+        hidden_size, out.stride(0), BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_SIZE_M=tile.group_size_m,
         DOT_PRECISION=dot_precision(act.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
@@ -354,15 +369,19 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """`moe.torch_fused_moe` on these kernels: align, gate_up with SiLU-and-mul, down, sum.
 
     SiLU only, no biases (the contract of moe_aiter.aiter_triton_fused_moe, which this
-    replaces). hidden, w13 and w2 share one dtype; expert weights have contiguous rows. Any
-    token count; no host sync."""
+    replaces). hidden, w13 and w2 share one dtype; expert weights are contiguous, with
+    `rows_aligned` sizes. Any token count; no host sync."""
     check_aiter_triton_args(activation, w13_bias is not None or w2_bias is not None)
     if not (hidden.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"prefill_fused_moe: hidden {hidden.dtype}, w13 {w13.dtype} and w2 "
                          f"{w2.dtype} must share one dtype")
-    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("prefill_fused_moe needs expert weights with contiguous rows")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("prefill_fused_moe needs contiguous expert weights")
     num_tokens, hidden_size = hidden.shape
+    if not rows_aligned(hidden_size, w2.shape[2], hidden.element_size()):
+        raise ValueError(f"prefill_fused_moe: hidden size {hidden_size} and intermediate size "
+                         f"{w2.shape[2]} must be multiples of "
+                         f"{ROW_ALIGN_BYTES // hidden.element_size()} for {hidden.dtype}")
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(hidden)
@@ -371,9 +390,9 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     sorted_ids, expert_ids, num_post_pad = align_by_expert(topk_ids, num_experts,
                                                            config.block_m)
     act = gate_up_silu(hidden, w13, sorted_ids, expert_ids, num_post_pad, top_k,
-                       config.block_m, config.gate_up, config.group_size_m)
+                       config.block_m, config.gate_up)
     pair_out = down_weighted(act, w2, topk_weights, sorted_ids, expert_ids, num_post_pad,
-                             config.block_m, config.down, config.group_size_m)
+                             config.block_m, config.down)
     if top_k == 1:
         return pair_out
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
