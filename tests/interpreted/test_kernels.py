@@ -242,6 +242,11 @@ def test_moe_decode(num_tokens, top_k, dtype):
     routed = moe_decode.decode_moe(x, w13, w2, router_logits=logits, top_k=top_k)
     given = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
     assert rel(routed, want) <= TOL[dtype] and rel(given, want) <= TOL[dtype]
+    for by_pair in (True, False):  # both grids, whichever the pair count picks by default
+        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair}
+        out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
+                                    config=config)
+        assert rel(out, want) <= TOL[dtype], by_pair
     got_w, got_ids = moe_decode.route(logits, top_k, True)
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 

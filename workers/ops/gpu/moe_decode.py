@@ -134,16 +134,31 @@ def _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, WRITE: tl.constexpr
 
 
 @triton.jit
+def _program_expert(ids_ptr, BY_PAIR: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The expert program_id(0) runs, and 1 if it runs it (else 0). By expert: expert
+    program_id(0). By pair: the expert of pair program_id(0), run by the program of the
+    first pair that chose it (the others find an earlier pair with the same expert)."""
+    if BY_PAIR:
+        pair = tl.program_id(0)
+        expert = tl.load(ids_ptr + pair)
+        earlier = tl.arange(0, BLOCK_P)
+        chosen_before = tl.load(ids_ptr + earlier, mask=earlier < pair, other=-1) == expert
+        return expert, 1 - tl.max(chosen_before.to(tl.int32), 0)
+    else:
+        return tl.program_id(0), 1
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I, stride_x,
                     stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
                     BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    USE_PDL: tl.constexpr):
-    """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for expert
-    e = program_id(0), the pairs that chose it, and BLOCK_N of the I columns."""
-    expert = tl.program_id(0)
+                    BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for the expert e of
+    program_id(0) (_program_expert), the pairs that chose it, and BLOCK_N of the I columns."""
     wait_for_previous_kernel(USE_PDL)  # the ids come from the route kernel
-    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, True, BLOCK_P)
+    expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
+    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, True, BLOCK_P) * runs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     gate_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
@@ -176,13 +191,13 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I,
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_pairs, K, N,
                  stride_act, stride_we, stride_wn, stride_out, BLOCK_P: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for expert e = program_id(0), the
-    pairs that chose it (listed in sorted by the gate_up kernel), and BLOCK_N of the N (hidden)
-    columns."""
-    expert = tl.program_id(0)
+                 BY_PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for the expert e of program_id(0)
+    (_program_expert), the pairs that chose it (listed in sorted by the gate_up kernel), and
+    BLOCK_N of the N (hidden) columns."""
     wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
-    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P)
+    expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
+    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
@@ -328,19 +343,21 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     pdl = pdl_enabled(device)
     sorted_ids = torch.empty(num_experts * num_pairs, dtype=torch.int32, device=device)
     act = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
-    _gate_up_kernel[(num_experts, triton.cdiv(size, cfg["gate_up_block_n"]))](
+    by_pair = cfg.get("by_pair", num_pairs < num_experts)
+    programs = num_pairs if by_pair else num_experts
+    _gate_up_kernel[(programs, triton.cdiv(size, cfg["gate_up_block_n"]))](
         hidden, w13, act, topk_ids, sorted_ids, num_pairs, hidden_size, size, hidden.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_P=block_p,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["gate_up_block_n"], BLOCK_K=cfg["block_k"],
-        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        BY_PAIR=by_pair, DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=device)
-    _down_kernel[(num_experts, triton.cdiv(hidden_size, cfg["down_block_n"]))](
+    _down_kernel[(programs, triton.cdiv(hidden_size, cfg["down_block_n"]))](
         act, w2, pair_out, topk_weights, topk_ids, sorted_ids, num_pairs, size, hidden_size,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), BLOCK_P=block_p,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        BY_PAIR=by_pair, DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if top_k == 1:
         return pair_out
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)

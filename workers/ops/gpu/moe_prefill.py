@@ -9,9 +9,9 @@ A layer runs as
     [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
                 rows of x times the gate rows and the matching up rows of the block's expert,
                 two fp32 accumulators, silu(gate) * up stored in sorted order [P, I]
-    [down]      one program per (BLOCK_M sorted rows, BLOCK_N of the H columns): those rows of
-                the activation times down, times each pair's routing weight, stored per pair
-                [T*k, H]
+    [down]      one program per SM, striding over the (BLOCK_M sorted rows, BLOCK_N of the H
+                columns) tiles: those rows of the activation times down, times each pair's
+                routing weight, stored per pair [T*k, H]
     [sum over k]  each token's k weighted expert outputs added (torch)
 
 The sorted layout is the one AITER's `fused_moe` reads (moe_aiter.align_by_expert is the
@@ -40,6 +40,7 @@ activation dtype before the sum over k (as moe_aiter.py does).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -227,33 +228,39 @@ def _gate_up_silu_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, expert_ids_ptr, num
              act.to(act_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])
+@triton.jit(do_not_specialize=["num_pairs", "num_programs"])
 def _down_kernel(act_desc, w_desc, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr,
-                 num_post_pad_ptr, num_pairs, num_blocks_m, K, N, stride_out,
+                 num_post_pad_ptr, num_pairs, num_programs, K, N, stride_out,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_SIZE_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """out[pair, n] = weight[pair] * (act[r] . w[e, n]) for one block of BLOCK_M sorted rows r
+    """out[pair, n] = weight[pair] * (act[r] . w[e, n]) for each tile of BLOCK_M sorted rows r
     (pair = sorted[r], all of expert e) and BLOCK_N of the N (hidden) columns. act_desc: the
     sorted activation [P, K], [BLOCK_M, BLOCK_K] tiles; w_desc: w2 as [E * N, K],
-    [BLOCK_N, BLOCK_K] tiles."""
-    pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N),
-                                  GROUP_SIZE_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m)
-    w_row = expert * N + pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = act_desc.load([pid_m * BLOCK_M, k0])  # past K: zeros (in both operands)
-        w = w_desc.load([w_row, k0])
-        acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    is_pair = pairs < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    routing_weight = tl.load(weights_ptr + pairs, mask=is_pair, other=0.0)
-    y = acc * routing_weight[:, None]
-    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < N)[None, :])
+    [BLOCK_N, BLOCK_K] tiles.
+
+    Persistent: num_programs programs stride over the tiles of the used blocks (the device's
+    padded length), one flattened loop, so a tile's first loads are in flight during the
+    previous tile's epilogue; with K only a few BLOCK_Ks deep that epilogue is a large share
+    of a tile."""
+    num_blocks_n = tl.cdiv(N, BLOCK_N)
+    used_blocks_m = tl.load(num_post_pad_ptr) // BLOCK_M
+    for tile in tl.range(tl.program_id(0), used_blocks_m * num_blocks_n, num_programs,
+                         flatten=True):
+        pid_m, pid_n = _grouped_block(tile, used_blocks_m, num_blocks_n, GROUP_SIZE_M)
+        expert = tl.load(expert_ids_ptr + pid_m)
+        w_row = expert * N + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = act_desc.load([pid_m * BLOCK_M, k0])  # past K: zeros (in both operands)
+            w = w_desc.load([w_row, k0])
+            acc = tl.dot(a, w.T, acc, input_precision=DOT_PRECISION)
+        pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        is_pair = pairs < num_pairs
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        routing_weight = tl.load(weights_ptr + pairs, mask=is_pair, other=0.0)
+        y = acc * routing_weight[:, None]
+        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n < N)[None, :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +319,14 @@ def rows_aligned(hidden_size: int, intermediate_size: int, element_size: int = 2
         and (intermediate_size * element_size) % ROW_ALIGN_BYTES == 0
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Programs of the persistent down launch: one per SM (a few under the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _rows_of(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """t (contiguous, any rank) as a 2-D [rows, last dim] descriptor with `block` tiles."""
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block)
@@ -349,11 +364,11 @@ def down_weighted(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     hidden_size = w2.shape[1]
     weights = topk_weights.reshape(-1).float().contiguous()
     out = torch.empty(num_pairs, hidden_size, dtype=act.dtype, device=act.device)
-    num_blocks_m = expert_ids.numel()
-    grid = (num_blocks_m * triton.cdiv(hidden_size, tile.block_n),)
-    _down_kernel[grid](
+    tiles = expert_ids.numel() * triton.cdiv(hidden_size, tile.block_n)  # an upper bound
+    num_programs = min(tiles, _num_sms(act.device))
+    _down_kernel[(num_programs,)](
         _rows_of(act, [block_m, tile.block_k]), _rows_of(w2, [tile.block_n, tile.block_k]),
-        out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_blocks_m, size,
+        out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_programs, size,
         hidden_size, out.stride(0), BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_SIZE_M=tile.group_size_m,
         DOT_PRECISION=dot_precision(act.dtype),
