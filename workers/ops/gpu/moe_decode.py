@@ -17,8 +17,12 @@ weights once per block of 16 pairs. Here a layer runs as
     [sum over k]      one program per (token, 512 columns): each token's k weighted expert
                       outputs added
 
-Each chosen expert's weights are read once per step however many tokens chose it (the grid's
-first axis walks experts, not pairs), so the step is bound by the distinct experts' bytes.
+(with fewer pairs than experts, as at batch 1, the first grid axis walks pairs instead: program
+p runs the expert of pair p unless an earlier pair chose it, so no program waits on the device
+only to find that nobody chose its expert)
+
+Each chosen expert's weights are read once per step however many tokens chose it (one row of
+programs runs each distinct expert), so the step is bound by the distinct experts' bytes.
 Nothing is sorted: an expert's program finds its own pairs. Every size the grid depends on is
 known on the host from the token count, so a call captures in a CUDA graph. Each launch uses
 programmatic dependent launch where it is on (pdl.py): a kernel starts while the previous one
