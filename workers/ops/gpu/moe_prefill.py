@@ -7,8 +7,9 @@ A layer runs as
                 length), then a stable scatter of the (token, slot) pair ids into sorted_ids
                 that also writes each block's expert
     [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
-                rows of x times the gate rows and the matching up rows of the block's expert,
-                two fp32 accumulators, silu(gate) * up stored in sorted order [P, I]
+                rows of x times the gate rows and the matching up rows of the block's expert
+                (one tile of both, one fp32 accumulator), silu(gate) * up stored in sorted
+                order [P, I]
     [down]      one program per SM, striding over the (BLOCK_M sorted rows, BLOCK_N of the H
                 columns) tiles: those rows of the activation times down, times each pair's
                 routing weight, stored per pair [T*k, H]
@@ -23,10 +24,11 @@ and token rows stay in L2 while every column block uses them.
 Expert weights, and the activation (whose rows the gate_up launch stores in sorted order, so a
 block's rows are contiguous), are read through Triton tensor descriptors: on Hopper and later
 each tile is one TMA copy into shared memory rather than a load per thread, which frees the
-warps for the tensor cores (the gathered token rows of x stay per-thread loads). A descriptor
-covers a 2-D row-major view ([E * 2I, H], [E * H, I], [P, I]), so rows must start 16-byte
-aligned (`rows_aligned`); a tile reaching past a view's edge reads zeros, and a gate or up tile
-reaching past its I rows reads the next rows of the view into columns that are never stored.
+warps for the tensor cores (the gathered token rows of x stay per-thread loads). Descriptors
+cover row-major views ([E, 2, I, H] for gate and up, [E * H, I], [P, I]), so rows must start
+16-byte aligned (`rows_aligned`); a tile reaching past an edge of its view reads zeros, and a
+down tile reaching past an expert's H rows reads the next rows of the view into columns that
+are never stored.
 
 No host sync and no recompile per token count: the grids are sized on the host from an upper
 bound on the padded length (blocks past the device's padded length return at once), and token
@@ -196,7 +198,9 @@ def _gate_up_silu_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, expert_ids_ptr, num
                          EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """act[r, n] = silu(x[pair // TOP_K] . w[e, n]) * (x[pair // TOP_K] . w[e, I + n]) for one
     block of BLOCK_M sorted rows r (pair = sorted[r], all of expert e; padding rows get 0) and
-    BLOCK_N of the I columns. w_desc: w13 as [E * 2I, K], [BLOCK_N, BLOCK_K] tiles."""
+    BLOCK_N of the I columns. w_desc: w13 as [E, 2, I, K] ([gate; up]), [1, 2, BLOCK_N,
+    BLOCK_K] tiles: one copy brings a step's gate and up rows, one dot of 2 * BLOCK_N columns
+    multiplies them."""
     pid_m, pid_n = _grouped_block(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N),
                                   GROUP_SIZE_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
@@ -205,24 +209,22 @@ def _gate_up_silu_kernel(x_ptr, w_desc, act_ptr, sorted_ptr, expert_ids_ptr, num
     pairs = tl.load(sorted_ptr + rows)
     is_pair = pairs < num_pairs  # padding slots hold num_pairs
     expert = tl.load(expert_ids_ptr + pid_m)
-    gate_row = expert * 2 * I + pid_n * BLOCK_N
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)  # [gate columns | up columns]
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=is_pair[:, None], other=0.0)
         else:
             x = tl.load(x_ptrs, mask=is_pair[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        w_gate = w_desc.load([gate_row, k0])  # [BLOCK_N, BLOCK_K]; past K: zeros
-        w_up = w_desc.load([gate_row + I, k0])
-        acc_gate = tl.dot(x, w_gate.T, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, w_up.T, acc_up, input_precision=DOT_PRECISION)
+        # rows past I and columns past K read as zeros
+        w = w_desc.load([expert, 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-    gate = acc_gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(act_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+    gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+    up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
@@ -343,8 +345,10 @@ def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tens
     act = torch.empty(sorted_ids.numel(), size, dtype=hidden.dtype, device=hidden.device)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(size, tile.block_n),)
+    gate_up = TensorDescriptor.from_tensor(w13.view(w13.shape[0], 2, size, hidden_size),
+                                           [1, 2, tile.block_n, tile.block_k])
     _gate_up_silu_kernel[grid](
-        hidden, _rows_of(w13, [tile.block_n, tile.block_k]), act, sorted_ids, expert_ids,
+        hidden, gate_up, act, sorted_ids, expert_ids,
         num_post_pad, num_tokens * top_k, num_blocks_m, hidden_size, size, hidden.stride(0),
         act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_SIZE_M=tile.group_size_m,
