@@ -35,7 +35,7 @@ REPS = 10
 
 # gate_up tiles swept (block_m, block_n, num_warps, num_stages, group_size_m; block_k 64;
 # block_n columns of I, so a program computes block_n gate and block_n up columns): 24 of the
-# 32 combinations, leaving out 4 warps on 128 x 128 (two 128 x 128 fp32 accumulators on 128
+# 32 combinations, leaving out 4 warps on 128 x 128 (a 128 x 256 fp32 accumulator on 128
 # threads) and 8 warps on 64 x 64.
 GATE_UP_SWEEP = [(m, n, w, s, g) for m, n, w, s, g in itertools.product(
                      (64, 128), (64, 128), (4, 8), (3, 4), (4, 8))
