@@ -83,13 +83,19 @@ def test_many_pairs_and_top1(num_tokens, top_k):
 
 
 @pytest.mark.gpu
-def test_tokens_that_pick_the_same_experts():
-    """Every token on the same k experts: one program reads each expert for all tokens."""
-    hidden, w13, w2, _ = make_case(48, 16, 256, 128)
-    ids = torch.tensor([[3, 7, 11, 0]], device="cuda").expand(48, 4).contiguous()
-    weights = torch.softmax(torch.randn(48, 4, device="cuda"), dim=-1)
+@pytest.mark.parametrize("num_tokens, by_pair", [(48, False), (48, True), (3, None)])
+def test_tokens_that_pick_the_same_experts(num_tokens, by_pair):
+    """Every token on the same k experts: one program reads each expert for all tokens, on
+    the expert grid and on the pair grid (where the later pairs' programs stand down); 3
+    tokens take the pair grid by default (12 pairs, 16 experts)."""
+    hidden, w13, w2, _ = make_case(num_tokens, 16, 256, 128)
+    ids = torch.tensor([[3, 7, 11, 0]], device="cuda").expand(num_tokens, 4).contiguous()
+    weights = torch.softmax(torch.randn(num_tokens, 4, device="cuda"), dim=-1)
     ref = torch_fused_moe(hidden, w13, w2, weights, ids)
-    out = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids)
+    config = None if by_pair is None else {**moe_decode.default_config(num_tokens * 4),
+                                           "by_pair": by_pair}
+    out = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids,
+                                config=config)
     assert rel(out, ref) <= MAX_REL
 
 
