@@ -41,7 +41,10 @@ def build_engine(model_dir: Path, args: argparse.Namespace):
     from tandem.workers.engine.engine import LLMEngine
     from tandem.workers.executor.executor import build_executor
 
-    max_len = max(max(args.contexts) + args.steps + 8, max(args.prefill, default=0) + 8)
+    # Decode cases reach max(contexts) + steps + 5 tokens; two blocks (of 16) past that leave
+    # each sequence a free KV block, without which asynchronous scheduling queues no step
+    # ahead (engine._can_launch_ahead) and the engine steps alternate queue and read.
+    max_len = max(max(args.contexts) + args.steps + 8 + 32, max(args.prefill, default=0) + 8)
     config = EngineConfig(
         model=str(model_dir), dtype="bfloat16", load_format="dummy", kernels=args.kernels,
         max_model_len=max_len, max_num_seqs=max(args.batches),
@@ -118,13 +121,14 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
         for _ in range(2):  # graphs warm; under asynchronous scheduling a step is queued
             engine.step()
         # Whole engine steps back to back, as a serving engine runs them: each call reads one
-        # step's tokens (and, asynchronously scheduled, has queued the next one first).
+        # step's tokens (and, asynchronously scheduled, has queued the next one first). A call
+        # that only queues a step returns no tokens, so the time is per step whose tokens came
+        # back (each gives every one of the batch's sequences a token), not per call.
         torch.cuda.synchronize()
         started = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        tokens = sum(len(engine.step()) for _ in range(steps))
         torch.cuda.synchronize()
-        engine_s = (time.perf_counter() - started) / steps
+        engine_s = (time.perf_counter() - started) / max(1, tokens // batch)
         engine.wait_in_flight()
         inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
         model_s = time_cuda(lambda: engine.runner.execute(inputs))
