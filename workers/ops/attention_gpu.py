@@ -35,6 +35,7 @@ from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
+from tandem.workers.ops.gpu.device_info import num_sms
 from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import fuses_qk_norm, rope_and_write_kv
@@ -45,11 +46,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BLOCK_DECODE_MAX_SEQS = 8  # above it the Triton split-KV kernel (see the module docstring)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -127,7 +123,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """One query token per sequence, through whichever kernel serves this batch faster
     (kernel: "blocks" or "triton" to pick one, for benchmarks), with the engine's split rule
     (max_seq_len, the longest context a captured graph serves)."""
-    num_seqs, sms = q.shape[0], _num_sms(q.device.index or 0)
+    num_seqs, sms = q.shape[0], num_sms(q.device)
     if kernel == "blocks" or (kernel is None and use_block_decode(q, k_cache, v_cache)):
         splits = block_splits_for(num_seqs, meta.max_seq_len, k_cache.shape[1], sms)
         return block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

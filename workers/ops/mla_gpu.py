@@ -19,24 +19,19 @@ from meta.max_seq_len, max_model_len under a CUDA graph): decode steps replay in
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tandem.workers.ops.attention import gather_kv
+from tandem.workers.ops.gpu.device_info import num_sms
 from tandem.workers.ops.gpu.mla_decode import (mla_decode_attention, mla_num_splits,
                                                write_latent_cache)
 
 if TYPE_CHECKING:
     from tandem.workers.ops.attention import AttentionMetadata
     from tandem.workers.ops.mla import MLAAttention
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def mla_forward_gpu(layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tensor,
@@ -65,7 +60,7 @@ def _decode_absorbed(layer: MLAAttention, q_nope: torch.Tensor, q_pe: torch.Tens
     # [H, B, Dn] @ [H, Dn, R] -> [H, B, R]; the kernel reads it as [B, H, R] through strides.
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
     splits = mla_num_splits(q_nope.shape[0], layer.num_heads, meta.max_seq_len,
-                            _num_sms(q_nope.device.index or 0))
+                            num_sms(q_nope.device))
     o_lat = mla_decode_attention(q_lat, q_pe, layer.latent_cache, meta.block_tables,
                                  meta.seq_lens, layer.scale, num_splits=splits)  # [B, H, R]
     # [H, B, R] @ [H, R, Dv] -> [H, B, Dv]

@@ -42,7 +42,6 @@ activation dtype before the sum over k (as moe_aiter.py does).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tandem.workers.ops.gpu.device_info import num_sms
 from tandem.workers.ops.gpu.moe_decode import dot_precision
 from tandem.workers.ops.moe_aiter import check_aiter_triton_args, padded_capacity
 
@@ -321,14 +321,6 @@ def rows_aligned(hidden_size: int, intermediate_size: int, element_size: int = 2
         and (intermediate_size * element_size) % ROW_ALIGN_BYTES == 0
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Programs of the persistent down launch: one per SM (a few under the CPU interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _rows_of(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """t (contiguous, any rank) as a 2-D [rows, last dim] descriptor with `block` tiles."""
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), block)
@@ -345,12 +337,11 @@ def gate_up_silu(hidden: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tens
     act = torch.empty(sorted_ids.numel(), size, dtype=hidden.dtype, device=hidden.device)
     num_blocks_m = expert_ids.numel()
     grid = (num_blocks_m * triton.cdiv(size, tile.block_n),)
-    gate_up = TensorDescriptor.from_tensor(w13.view(w13.shape[0], 2, size, hidden_size),
-                                           [1, 2, tile.block_n, tile.block_k])
+    w_desc = TensorDescriptor.from_tensor(w13.view(w13.shape[0], 2, size, hidden_size),
+                                          [1, 2, tile.block_n, tile.block_k])
     _gate_up_silu_kernel[grid](
-        hidden, gate_up, act, sorted_ids, expert_ids,
-        num_post_pad, num_tokens * top_k, num_blocks_m, hidden_size, size, hidden.stride(0),
-        act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        hidden, w_desc, act, sorted_ids, expert_ids, num_post_pad, num_tokens * top_k,
+        num_blocks_m, hidden_size, size, hidden.stride(0), act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_SIZE_M=tile.group_size_m,
         EVEN_K=hidden_size % tile.block_k == 0, DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
@@ -369,7 +360,8 @@ def down_weighted(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     weights = topk_weights.reshape(-1).float().contiguous()
     out = torch.empty(num_pairs, hidden_size, dtype=act.dtype, device=act.device)
     tiles = expert_ids.numel() * triton.cdiv(hidden_size, tile.block_n)  # an upper bound
-    num_programs = min(tiles, _num_sms(act.device))
+    # one program per SM (a few under the CPU interpreter)
+    num_programs = min(tiles, num_sms(act.device) if act.is_cuda else 4)
     _down_kernel[(num_programs,)](
         _rows_of(act, [block_m, tile.block_k]), _rows_of(w2, [tile.block_n, tile.block_k]),
         out, weights, sorted_ids, expert_ids, num_post_pad, num_pairs, num_programs, size,
