@@ -207,6 +207,24 @@ def test_rms_norm_and_silu_match_reference(rows, cols, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, terms, cols", [(1, 8, 2048), (300, 8, 2048), (37, 2, 4096),
+                                                 (129, 6, 2880)])
+def test_rms_norm_adds_expert_terms_first(tokens, terms, cols, dtype):
+    """x [T, n, D] with a residual (a MoE layer's unsummed expert outputs): summed, added,
+    normed in one kernel, as the torch module sums them first."""
+    ref_op, op = RMSNorm(cols, 1e-6).to(DEV, dtype), RMSNorm(cols, 1e-6, AITER).to(DEV, dtype)
+    weight = torch.rand(cols, device=DEV).to(dtype) + 0.5
+    ref_op.weight.data, op.weight.data = weight.clone(), weight.clone()
+    x = torch.randn(tokens, terms, cols, device=DEV).to(dtype) / terms
+    residual = torch.randn(tokens, cols, device=DEV).to(dtype)
+    ref_out, ref_sum = ref_op(x, residual.clone())
+    out, summed = op(x, residual.clone())
+    tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
+    assert out.shape == summed.shape == (tokens, cols)
+    assert rel(out, ref_out) <= tol and rel(summed, ref_sum) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens, heads, head_dim", [(1, 32, 128), (300, 4, 128),
                                                      (8192, 32, 128), (33, 5, 96)])
 @pytest.mark.parametrize("strided", [False, True])

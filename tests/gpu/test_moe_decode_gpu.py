@@ -44,6 +44,10 @@ def test_decode_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, s
     for out in (given, routed):
         assert out.shape == ref.shape and out.dtype == torch.bfloat16
         assert rel(out, ref) <= MAX_REL
+    terms = moe_decode.decode_moe(hidden, w13, w2, router_logits=logits, top_k=top_k,
+                                  terms=True)  # the sum over k left to the caller
+    assert terms.shape == (num_tokens, top_k, hidden_size)
+    assert rel(terms.float().sum(1).to(torch.bfloat16), routed) <= 1e-3  # summing order
 
 
 GROUPED = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)

@@ -71,6 +71,9 @@ def test_prefill_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, 
     out = moe_prefill.prefill_fused_moe(*case)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert rel(out, ref) <= MAX_REL
+    terms = moe_prefill.prefill_fused_moe(*case, terms=True)  # the sum left to the caller
+    assert terms.shape == (num_tokens, top_k, hidden_size)
+    assert torch.equal(terms.sum(dim=1) if top_k > 1 else terms[:, 0], out)
 
 
 @pytest.mark.gpu
@@ -160,6 +163,13 @@ def test_fused_moe_module_above_the_decode_path(moe_prefill_on):
     ref, out = (layer.forward_logits(hidden, logits, top_k=k, renormalize=True)
                 for layer in layers)
     assert rel(out, ref) <= MAX_REL
+    # summed=False: these kernels leave the k weighted outputs to the caller; AITER's
+    # fused_moe and the torch layer sum them regardless.
+    terms = layers[1].forward_logits(hidden, logits, top_k=k, renormalize=True, summed=False)
+    assert terms.shape == ((512, k, H) if moe_prefill_on else (512, H))
+    assert rel(terms.sum(dim=1) if moe_prefill_on else terms, ref) <= MAX_REL
+    assert layers[0].forward_logits(hidden, logits, top_k=k, renormalize=True,
+                                    summed=False).shape == (512, H)
 
 
 @pytest.mark.gpu

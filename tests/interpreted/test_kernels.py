@@ -52,6 +52,27 @@ def test_rms_norm_rows_heads_and_residual(dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("num_terms", [1, 3, 8])
+def test_rms_norm_adds_the_terms_first(num_terms, dtype):
+    """A [T, n, D] x with a residual: the n terms summed (fp32, rounded once), then added."""
+    torch.manual_seed(num_terms)
+    norm = norm_module(96, dtype, 3)
+    wide = torch.randn(7, num_terms + 1, 96).to(dtype)
+    terms = wide[:, 1:]  # rows num_terms + 1 apart: the term stride is read, not assumed
+    residual = torch.randn(7, 96).to(dtype)
+    summed = terms.float().sum(1).to(dtype)
+    with torch.no_grad():
+        want, want_sum = norm(summed, residual.clone())
+        torch_path = norm(terms, residual.clone())
+    got = add_rms_norm.rms_norm(terms, norm.weight.data, 1e-6, residual)
+    assert got.shape == (7, 96) and rel(got, want) <= TOL[dtype]
+    assert torch.allclose(residual, want_sum, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(torch_path[1], want_sum) and torch.equal(torch_path[0], want)
+    with pytest.raises(ValueError, match="do not match the residual"):
+        add_rms_norm.rms_norm(terms, norm.weight.data, 1e-6, residual[:5])
+
+
+@DTYPES
 @pytest.mark.parametrize("neox, partial", [(True, 1.0), (False, 1.0), (True, 0.5)])
 def test_rope_and_kv_write(neox, partial, dtype):
     torch.manual_seed(1)
@@ -247,6 +268,9 @@ def test_moe_decode(num_tokens, top_k, dtype):
         out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
                                     config=config)
         assert rel(out, want) <= TOL[dtype], by_pair
+    terms = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, terms=True)
+    assert terms.shape == (num_tokens, top_k, 48)  # the sum over k left to the caller
+    assert rel(terms.float().sum(1).to(dtype), given) <= TOL[dtype]
     got_w, got_ids = moe_decode.route(logits, top_k, True)
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 
@@ -308,6 +332,11 @@ def test_moe_prefill(dtype):
     config = moe_prefill.PrefillConfig(16, tile, tile)
     got = moe_prefill.prefill_fused_moe(x, w13, w2, weights, ids, config=config)
     assert rel(got, torch_fused_moe(x, w13, w2, weights, ids)) <= TOL[dtype]
+    terms = moe_prefill.prefill_fused_moe(x, w13, w2, weights, ids, config=config, terms=True)
+    assert terms.shape == (40, 2, 64) and torch.equal(terms.sum(dim=1), got)
+    for slot in range(2):  # term j is slot j's expert alone, with its routing weight
+        alone = torch_fused_moe(x, w13, w2, weights[:, slot:slot + 1], ids[:, slot:slot + 1])
+        assert rel(terms[:, slot], alone) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m, max_chunks",

@@ -122,7 +122,12 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp_forward(hidden), residual
+
+    def mlp_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP on the post-attention norm's output (a hook for layers whose MLP output
+        the next norm may take in another form: qwen3_moe)."""
+        return self.mlp(hidden)
 
     def _forward_small_batch(self, positions: torch.Tensor, hidden: torch.Tensor,
                              residual: torch.Tensor | None, meta: AttentionMetadata

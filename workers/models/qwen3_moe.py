@@ -63,13 +63,17 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, backend=backend)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.route(hidden, self.gate(hidden))
+    def forward(self, hidden: torch.Tensor, summed: bool = True) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; summed=False may return the experts' weighted outputs
+        unsummed, [T, k, H] (FusedMoE.forward), which RMSNorm with a residual adds up."""
+        return self.route(hidden, self.gate(hidden), summed)
 
-    def route(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """The experts on hidden [T, H] given the router's logits [T, E] -> [T, H]."""
+    def route(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+              summed: bool = True) -> torch.Tensor:
+        """The experts on hidden [T, H] given the router's logits [T, E] -> [T, H] (or
+        terms, as forward)."""
         return self.experts.forward_logits(hidden, router_logits, top_k=self.top_k,
-                                           renormalize=self.renormalize)
+                                           renormalize=self.renormalize, summed=summed)
 
 
 def is_sparse_layer(config: Any, layer_idx: int) -> bool:
@@ -97,6 +101,14 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         mlp = self.mlp
         return isinstance(mlp, SparseMoeBlock) and small_batch.fusable(
             (self.post_attention_layernorm,), (mlp.gate,))
+
+    def mlp_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's experts leave their outputs unsummed where the kernels allow: the
+        layer's output goes only to the next RMSNorm with a residual (the next layer's input
+        norm or the model's final norm), which adds the terms in the same pass."""
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(hidden, summed=False)
+        return self.mlp(hidden)
 
     def _mlp_small_batch(self, hidden: torch.Tensor, residual: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:

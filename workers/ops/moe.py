@@ -223,6 +223,9 @@ class FusedMoE(nn.Module):
         self._fused_moe = prefill_kernels_fused_moe if (
             backend is KernelBackend.AITER_TRITON and options.moe_prefill
             and _prefill_kernels_take(hidden_size, size)) else _KERNELS[backend]
+        # forward(summed=False) may return terms from our kernels on one rank: under TP the
+        # all-reduce would carry k times the bytes; expert parallelism combines sums.
+        self._leaves_terms = self.tp_size == 1 and self.dispatcher is None
         # Batches of up to this many (token, slot) pairs take the decode kernels; 0: none.
         self.decode_max_pairs = DECODE_MAX_PAIRS if (
             backend is KernelBackend.AITER_TRITON and self.dispatcher is None
@@ -304,13 +307,15 @@ class FusedMoE(nn.Module):
         return 0 < num_tokens * top_k <= self.decode_max_pairs
 
     def forward_logits(self, hidden: torch.Tensor, router_logits: torch.Tensor, *, top_k: int,
-                       renormalize: bool) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+                       renormalize: bool, summed: bool = True) -> torch.Tensor:
         """Softmax top-k routing (`select_experts(scoring="softmax")`), then the experts: a
-        small batch routes inside the decode kernels' launches, a larger one through select."""
+        small batch routes inside the decode kernels' launches, a larger one through select.
+        [T, H], [T, E] -> [T, H], or terms [T, k, H] (`forward`, summed=False)."""
         if self._takes_decode_path(hidden.shape[0], top_k):
-            return self._decode_kernels(hidden, router_logits=router_logits, top_k=top_k,
-                                        renormalize=renormalize)
-        return self(hidden, *self.select(router_logits, top_k, renormalize=renormalize))
+            return self._decode_kernels(hidden, summed, router_logits=router_logits,
+                                        top_k=top_k, renormalize=renormalize)
+        return self(hidden, *self.select(router_logits, top_k, renormalize=renormalize),
+                    summed=summed)
 
     def select(self, router_logits: torch.Tensor, top_k: int, **routing: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,11 +329,13 @@ class FusedMoE(nn.Module):
                 return route(router_logits, top_k, **routing)
         return select_experts(router_logits, top_k, **routing)
 
-    def _decode_kernels(self, hidden: torch.Tensor, **routing: object) -> torch.Tensor:
+    def _decode_kernels(self, hidden: torch.Tensor, summed: bool, **routing: object
+                        ) -> torch.Tensor:
         """moe_decode.decode_moe over this rank's experts (`routing`: router logits and top_k,
-        or the chosen weights and ids), all-reduced under TP."""
+        or the chosen weights and ids), all-reduced under TP; terms where `forward` allows."""
         from tandem.workers.ops.gpu.moe_decode import decode_moe  # needs triton
-        return self._reduced(decode_moe(hidden, self.w13, self.w2, **routing))
+        terms = not summed and self._leaves_terms
+        return self._reduced(decode_moe(hidden, self.w13, self.w2, terms=terms, **routing))
 
     def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -336,18 +343,26 @@ class FusedMoE(nn.Module):
         return out
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:  # [T, H], [T, k], [T, k] -> [T, H]
+                topk_ids: torch.Tensor, *, summed: bool = True) -> torch.Tensor:
+        """hidden [T, H], topk_weights / topk_ids [T, k] -> [T, H]: each token's weighted sum
+        of its experts' outputs. summed=False lets our kernels (`moe_decode`,
+        `moe_prefill`) on one rank without expert parallelism return the k weighted outputs
+        unsummed, [T, k, H], for a caller that adds them up itself (RMSNorm with a residual
+        does, in the same pass as the add); every other path returns [T, H] regardless."""
         if self._takes_decode_path(hidden.shape[0], topk_ids.shape[1]):
-            return self._decode_kernels(hidden, topk_weights=topk_weights, topk_ids=topk_ids)
+            return self._decode_kernels(hidden, summed, topk_weights=topk_weights,
+                                        topk_ids=topk_ids)
         if self.dispatcher is not None:
             dispatched = self.dispatcher.dispatch(hidden, topk_ids, topk_weights)
             out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
                                           dispatched.topk_ids)
             return self.dispatcher.combine(out, dispatched)
+        terms = {} if summed or not (self._leaves_terms and self._fused_moe
+                                     is prefill_kernels_fused_moe) else {"terms": True}
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
                               w13_bias=self.w13_bias,
                               w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
-                              **self._activation_kwargs)
+                              **self._activation_kwargs, **terms)
         return self._reduced(out)
 
     def _run_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,

@@ -28,6 +28,10 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s).
 
+        With residual, x may be [T, n, D]: n terms per row (a mixture-of-experts layer's
+        weighted expert outputs, `SparseMoeBlock(summed=False)`), summed to [T, D] first (fp32,
+        rounded once to x's dtype).
+
         On aiter-triton (one fused kernel) s is written into `residual` itself: callers must
         use the returned s and not the residual tensor they passed in.
         """
@@ -38,5 +42,7 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual), residual
         if residual is None:
             return self._norm(x)
+        if x.dim() == residual.dim() + 1:
+            x = x.sum(dim=1, dtype=torch.float32).to(x.dtype)
         summed = x + residual
         return self._norm(summed), summed

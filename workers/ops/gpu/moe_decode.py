@@ -305,14 +305,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
 def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                router_logits: torch.Tensor | None = None, top_k: int | None = None,
                renormalize: bool = True, topk_weights: torch.Tensor | None = None,
-               topk_ids: torch.Tensor | None = None, config: dict[str, int] | None = None
-               ) -> torch.Tensor:
+               topk_ids: torch.Tensor | None = None, config: dict[str, int] | None = None,
+               terms: bool = False) -> torch.Tensor:
     """sum_j w[t, j] * expert_{id[t, j]}(hidden[t]) with SiLU-gated experts, hidden [T, H],
     w13 [E, 2I, H] ([gate | up]), w2 [E, H, I] -> [T, H].
 
     Either router_logits [T, E] with top_k (softmax routing, renormalised when `renormalize`,
     as select_experts(scoring="softmax") does) or topk_weights / topk_ids [T, k] chosen by the
-    caller. T * k must be at most MAX_PAIRS (`fits`). No host sync.
+    caller. T * k must be at most MAX_PAIRS (`fits`). No host sync. With terms the last
+    launch (the sum over k) is left out: [T, k, H], token t's k weighted expert outputs in
+    slot order, for a caller that adds them up itself (RMSNorm with a residual).
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, size = w13.shape[0], w13.shape[1] // 2
@@ -362,6 +364,8 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
         BY_PAIR=by_pair, DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if terms:
+        return pair_out.view(num_tokens, top_k, hidden_size)
     if top_k == 1:
         return pair_out
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)

@@ -376,8 +376,11 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                       w13_bias: torch.Tensor | None = None,
                       w2_bias: torch.Tensor | None = None, activation: str = "silu",
-                      config: PrefillConfig | None = None, **_: object) -> torch.Tensor:
+                      config: PrefillConfig | None = None, terms: bool = False,
+                      **_: object) -> torch.Tensor:
     """`moe.torch_fused_moe` on these kernels: align, gate_up with SiLU-and-mul, down, sum.
+    With terms the sum is left out: [T, k, H], token t's k weighted expert outputs in slot
+    order, for a consumer that adds them up itself (RMSNorm with a residual).
 
     SiLU only, no biases (the contract of moe_aiter.aiter_triton_fused_moe, which this
     replaces). hidden, w13 and w2 share one dtype; expert weights are contiguous, with
@@ -395,7 +398,7 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{ROW_ALIGN_BYTES // hidden.element_size()} for {hidden.dtype}")
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     if num_tokens == 0:
-        return torch.zeros_like(hidden)
+        return hidden.new_zeros((0, top_k, hidden_size) if terms else (0, hidden_size))
     config = config or default_config(num_tokens, top_k, num_experts, hidden.element_size())
     hidden = hidden.contiguous()
     sorted_ids, expert_ids, num_post_pad = align_by_expert(topk_ids, num_experts,
@@ -404,6 +407,7 @@ def prefill_fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        config.block_m, config.gate_up)
     pair_out = down_weighted(act, w2, topk_weights, sorted_ids, expert_ids, num_post_pad,
                              config.block_m, config.down)
-    if top_k == 1:
+    pair_out = pair_out.view(num_tokens, top_k, hidden_size)
+    if terms:
         return pair_out
-    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return pair_out[:, 0] if top_k == 1 else pair_out.sum(dim=1)
