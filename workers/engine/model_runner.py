@@ -153,7 +153,8 @@ class ModelRunner:
         else:
             row_of_token = np.repeat(np.arange(num_seqs), counts)
             pos[:] = np.arange(total) - np.repeat(np.array(query_start_loc[:-1]) - starts, counts)
-        slot_mapping[:] = tables[row_of_token, pos // bs] * bs + pos % bs
+        block_index, offset = np.divmod(pos, bs)  # flat indexing: a third of a 2-D gather
+        slot_mapping[:] = flat_tables[row_of_token * width + block_index] * bs + offset
         starts_at[:], lens[:], logits_at[:] = query_start_loc, seq_lens, logits_indices
 
         values = as_device_tensor(host, torch.int64, self.device)
