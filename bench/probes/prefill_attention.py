@@ -12,6 +12,8 @@ output:
     enable_gqa          SDPA on the unrepeated K/V with enable_gqa=True, default dispatch
     enable_gqa cudnn    the same, the cuDNN backend forced
     enable_gqa flash    the same, the flash backend forced
+    qkv views           enable_gqa on q, k and v viewed out of one fused qkv row per token, as
+                        the engine's qkv projection leaves them (token stride (H + 2 KVH) D)
     repeated cudnn      the expand copy with the cuDNN backend forced
     repeated flash      the expand copy with the flash backend forced
 
@@ -36,6 +38,9 @@ def forms(q, k, v, group: int) -> dict:
     """name -> a function of no arguments giving [1, H, T, D]."""
     qs = q.transpose(0, 1).unsqueeze(0)
     kv = [x.transpose(0, 1).unsqueeze(0) for x in (k, v)]
+    qkv = torch.cat([x.flatten(1) for x in (q, k, v)], dim=1)  # [T, (H + 2 KVH) D]
+    views = [part.view(q.shape[0], -1, q.shape[2]).transpose(0, 1).unsqueeze(0)
+             for part in qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)]
 
     def sdpa(keys, values, backend=None, gqa=False):
         ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
@@ -56,6 +61,8 @@ def forms(q, k, v, group: int) -> dict:
         "enable_gqa": lambda: sdpa(*kv, gqa=True),
         "enable_gqa cudnn": lambda: sdpa(*kv, SDPBackend.CUDNN_ATTENTION, gqa=True),
         "enable_gqa flash": lambda: sdpa(*kv, SDPBackend.FLASH_ATTENTION, gqa=True),
+        "qkv views": lambda: F.scaled_dot_product_attention(*views, is_causal=True,
+                                                            enable_gqa=True),
         "repeated cudnn": lambda: expanded(SDPBackend.CUDNN_ATTENTION),
         "repeated flash": lambda: expanded(SDPBackend.FLASH_ATTENTION),
     }

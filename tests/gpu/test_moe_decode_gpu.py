@@ -151,11 +151,12 @@ def test_bad_arguments_are_named():
 # -- engine: tiny softmax-routed MoE models on aiter-triton, decode through CUDA graphs --------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_unnormed"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_unnormed", "mixtral", "glm4_moe"])
 def test_moe_engine_fp32_greedy_equals_transformers_with_graphs(moe_checkpoint, name):
     """Batches of up to 8 sequences take the decode kernels for routing and experts (fp32
     dots, no tf32), and batch 1 the fused attention GEMVs: greedy tokens equal fp32
-    transformers'."""
+    transformers'. Qwen3-MoE and Mixtral leave the experts' outputs for the next norm to sum;
+    GLM-4.5 (sigmoid, grouped, a shared expert) sums them in its block."""
     from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
     from tandem import LLM, SamplingParams

@@ -173,10 +173,11 @@ def test_fused_moe_module_above_the_decode_path(moe_prefill_on):
 
 
 @pytest.mark.gpu
-def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpoint):
-    """With the decode kernels off and these on, every MoE batch of the tiny Qwen3-MoE
-    (prefill, and decode through CUDA graphs) takes these kernels (fp32 dots, no tf32): greedy
-    tokens equal fp32 transformers'."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpoint, name):
+    """With the decode kernels off and these on, every MoE batch of the tiny model (prefill,
+    and decode through CUDA graphs) takes these kernels (fp32 dots, no tf32), their outputs
+    summed by the next norm: greedy tokens equal fp32 transformers'."""
     from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
     from tandem import LLM, SamplingParams
@@ -185,7 +186,7 @@ def test_moe_engine_fp32_greedy_equals_transformers_on_these_kernels(moe_checkpo
     from tandem.workers.ops.kernel_options import KernelOptions
     if not aiter_available():
         pytest.skip("amd-aiter is not installed")
-    ckpt = moe_checkpoint("qwen3_moe")
+    ckpt = moe_checkpoint(name)
     greedy = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     prompts = random_prompts(PARITY_LENGTHS, seed=47)
     installed = kernel_options.current()

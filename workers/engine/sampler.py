@@ -50,11 +50,14 @@ class Sampler:
             return SamplerOutput([], [])
         return self.sample_on_device(logits, seqs).to_host()
 
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], *,
+                         placeholders: bool = False) -> DeviceSample:
         """What `__call__` samples, still on the logits' device and with no wait for it: the
         caller reads it later (`DeviceSample.to_host`; asynchronous scheduling reads it once
         the step has run). A constrained row's grammar must have accepted every token before
-        the row's input token."""
+        the row's input token. placeholders: each row's last token id is already the
+        placeholder of the token sampled here (a queued step), so it is not counted among
+        the tokens produced before it (min_tokens)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match "
                              f"{len(seqs)} sequences")
@@ -67,7 +70,7 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, device)], dim=-1)
-        sampled = self._choose(logits, seqs)
+        sampled = self._choose(logits, seqs, 1 if placeholders else 0)
         if raw_logprobs is None:
             return DeviceSample(sampled)
         nums = [params[i].logprobs for i in logprob_rows]
@@ -83,10 +86,12 @@ class Sampler:
         token, so its caller samples once those are known."""
         return not _has_penalty(seq.sampling_params)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Steps 2-5 on fp32 logits [B, V] (modified in place): the sampled ids, [B] long."""
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], num_pending: int = 0
+                ) -> torch.Tensor:
+        """Steps 2-5 on fp32 logits [B, V] (modified in place): the sampled ids, [B] long.
+        num_pending: trailing token ids of each row that are this sample's own placeholder."""
         device = logits.device
-        self._block_stop_tokens_(logits, seqs)
+        self._block_stop_tokens_(logits, seqs, num_pending)
         _apply_penalties_(logits, seqs)
         greedy_rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
         if len(greedy_rows) == len(seqs):
@@ -101,14 +106,16 @@ class Sampler:
         sampled[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows])
         return sampled
 
-    def _block_stop_tokens_(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Masks stop tokens to -inf in rows that have not yet produced min_tokens tokens."""
+    def _block_stop_tokens_(self, logits: torch.Tensor, seqs: list[Sequence],
+                            num_pending: int = 0) -> None:
+        """Masks stop tokens to -inf in rows that have not yet produced min_tokens tokens
+        before the one sampled now (num_pending: its placeholder, already in token_ids)."""
         vocab_size = logits.shape[1]
         rows: list[int] = []
         tokens: list[int] = []
         for i, seq in enumerate(seqs):
             p = seq.sampling_params
-            if seq.num_completion_tokens >= p.min_tokens:
+            if seq.num_completion_tokens - num_pending >= p.min_tokens:
                 continue
             stop_ids = p.stop_token_ids if p.ignore_eos else self.eos_token_ids + p.stop_token_ids
             for token in stop_ids:

@@ -112,10 +112,11 @@ class Executor:
             return self.runner.execute(inputs)
 
     def launch_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """Queues the sampling of a launched forward's logits (row i is seqs[i]'s). A
-        constrained row's grammar must have accepted every token before its input token."""
+        """Queues the sampling of a launched forward's logits (row i is seqs[i]'s), whose
+        tokens' placeholders the sequences already end with. A constrained row's grammar must
+        have accepted every token before its input token."""
         with queued_copies():
-            return self.sampler.sample_on_device(logits, seqs)
+            return self.sampler.sample_on_device(logits, seqs, placeholders=True)
 
     def run_kv_ops(self, ops: list[KVRankOp]) -> list:
         """Runs KV rank ops on every rank, in order; rank 0's answer to each. Engine thread

@@ -125,6 +125,25 @@ def test_outputs_equal_one_step_at_a_time(engines):
     assert sum(ahead) >= 3, "no decode step was queued ahead"
 
 
+def test_min_tokens_blocks_a_stop_token_that_is_the_greedy_choice(engines):
+    """The N-th token of a queued step is sampled after its placeholder is appended: the stop
+    token must stay masked there (min_tokens=N counts the tokens before it), as it is when
+    the same step runs synchronously."""
+    sync, asynchronous = engines
+    prompt = MIXED_PROMPTS[6]
+    probe = run(sync, {"probe": (prompt, SamplingParams(temperature=0, max_tokens=16), 0)})
+    greedy = probe["probe"][0]
+    # The first position whose greedy token is new: with it as the stop id, nothing before
+    # that position changes, and there the stop id is the unmasked argmax.
+    n = next(i + 1 for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    params = SamplingParams(temperature=0, max_tokens=n + 4, min_tokens=n,
+                            stop_token_ids=[greedy[n - 1]])
+    expected = run(sync, {"r": (prompt, params, 0)})
+    assert greedy[n - 1] not in expected["r"][0][:n] and len(expected["r"][0]) > n
+    got = run(asynchronous, {"r": (prompt, params, 0)})
+    assert got["r"][:2] == expected["r"][:2]
+
+
 def test_greedy_batch_runs_ahead_every_decode_step(engines):
     _, asynchronous = engines
     prompts = random_prompts([8, 8, 8], seed=2)
