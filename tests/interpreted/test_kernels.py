@@ -344,7 +344,7 @@ def test_moe_prefill(dtype):
                           (300, 4, 16, 16, 2), (700, 2, 8, 16, 3), (600, 8, 128, 64, 128)])
 def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts, block_m,
                                                   max_chunks):
-    """The two-launch align by expert: the torch align's outputs, entry for entry, padding
+    """The three-launch align by expert: the torch align's outputs, entry for entry, padding
     and the blocks past the padded length included; few chunks make each one several tiles
     of pairs, and 38 chunks of 128 experts more rows of counts than one pass reads."""
     gen = torch.Generator().manual_seed(num_tokens)

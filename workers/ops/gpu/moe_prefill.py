@@ -2,10 +2,10 @@
 
 A layer runs as
 
-    [align]     two small launches: per-chunk expert counts, then a stable scatter of the
-                (token, slot) pair ids into sorted_ids whose every program first sums the
-                chunks' counts for the offsets it needs (its chunk's first slot per expert,
-                each expert's padded end) and also writes its blocks' experts and padding
+    [align]     three small launches: per-chunk expert counts, one program for the prefix
+                sums (each chunk's first slot per expert, each expert's padded end, the padded
+                length), then a stable scatter of the (token, slot) pair ids into sorted_ids
+                that also writes each block's expert
     [gate_up]   one program per (BLOCK_M sorted pairs, BLOCK_N of the I columns): the pairs'
                 rows of x times the gate rows and the matching up rows of the block's expert
                 (one tile of both, one fp32 accumulator), silu(gate) * up stored in sorted
@@ -78,35 +78,48 @@ def _count_chunk_kernel(ids_ptr, chunk_counts_ptr, num_pairs, subs, BLOCK_E: tl.
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + experts, counts)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "subs", "num_chunks", "num_blocks"])
-def _scatter_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, expert_ids_ptr, num_post_pad_ptr,
-                    num_pairs, subs, num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program c, from every chunk's counts: each expert's run starts at the sum of the
-    padded counts of the experts before it, and chunk c's first pair of expert e goes after
-    the earlier chunks' pairs of e. Then sorted[that slot + r] = the id of chunk c's r-th pair
-    that chose e; for blocks [c * BLOCK_B, (c + 1) * BLOCK_B), expert_ids[b] = the expert
-    whose padded run holds block b (the last expert for blocks past the padded length;
-    experts past NUM_EXPERTS, BLOCK_E's padding, end at the padded length like the last) and
-    the block's slots past its expert's pairs hold num_pairs (padding). Program 0 stores the
-    padded length."""
-    chunk = tl.program_id(0)
+@triton.jit(do_not_specialize=["num_chunks"])
+def _offsets_kernel(chunk_counts_ptr, chunk_starts_ptr, expert_ends_ptr, num_post_pad_ptr,
+                    num_chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """One program. Each expert's run starts at the sum of the padded counts of the experts
+    before it (expert_ends[e] = where e's padded run ends); chunk_starts[c, e] = where chunk
+    c's first pair of expert e goes (the run's start plus the earlier chunks' pairs of e)."""
     experts = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], tl.int32)
-    earlier = tl.zeros([BLOCK_E], tl.int32)  # pairs of each expert in chunks before c
     for c0 in range(0, num_chunks, BLOCK_C):
         chunks = c0 + tl.arange(0, BLOCK_C)
         tile = tl.load(chunk_counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
                        mask=(chunks < num_chunks)[:, None], other=0)
         totals += tl.sum(tile, axis=0)
-        earlier += tl.sum(tl.where((chunks < chunk)[:, None], tile, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # where each expert's padded run ends
-    if chunk == 0:
-        tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
+    padded_ends = tl.cumsum(padded, axis=0)
+    tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
+    tl.store(expert_ends_ptr + experts, padded_ends)
+    running = padded_ends - padded
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        offsets = chunks[:, None] * BLOCK_E + experts[None, :]
+        is_chunk = (chunks < num_chunks)[:, None]
+        tile = tl.load(chunk_counts_ptr + offsets, mask=is_chunk, other=0)
+        earlier = tl.cumsum(tile, axis=0) - tile
+        tl.store(chunk_starts_ptr + offsets, running[None, :] + earlier, mask=is_chunk)
+        running += tl.sum(tile, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "subs", "num_chunks", "num_blocks"])
+def _scatter_kernel(ids_ptr, chunk_starts_ptr, expert_ends_ptr, sorted_ptr, expert_ids_ptr,
+                    num_pairs, subs, num_chunks, num_blocks, NUM_EXPERTS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_B: tl.constexpr):
+    """Program c: sorted[chunk_starts[c, e] + r] = the id of chunk c's r-th pair that chose
+    e, and expert_ids[b] = the expert whose padded run holds block b, for blocks
+    [c * BLOCK_B, (c + 1) * BLOCK_B) (the last expert for blocks past the padded length;
+    experts past NUM_EXPERTS, BLOCK_E's padding, end at the padded length like the last)."""
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
     if chunk < num_chunks:
-        starts = ends - padded + earlier  # next slot per expert
+        starts = tl.load(chunk_starts_ptr + chunk * BLOCK_E + experts)  # next slot per expert
         for sub in range(0, subs):
             pairs = (chunk * subs + sub) * BLOCK_P + tl.arange(0, BLOCK_P)
             is_pair = pairs < num_pairs
@@ -118,30 +131,22 @@ def _scatter_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, expert_ids_ptr, num_p
             starts += tl.sum(chose, axis=0)
     blocks = chunk * BLOCK_B + tl.arange(0, BLOCK_B)
     if chunk * BLOCK_B < num_blocks:
+        ends = tl.load(expert_ends_ptr + experts)
         ended = ends[None, :] <= (blocks * BLOCK_M)[:, None]
         expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), NUM_EXPERTS - 1)
-        is_block = blocks < num_blocks
-        tl.store(expert_ids_ptr + blocks, expert, mask=is_block)
-        # padding: a block's slots from its expert's run start plus its pair count on
-        pairs_end = ends - padded + totals
-        fill_from = tl.sum(tl.where(experts[None, :] == expert[:, None], pairs_end[None, :], 0),
-                           axis=1)
-        slots = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(sorted_ptr + slots, tl.full([BLOCK_B, BLOCK_M], num_pairs, tl.int32),
-                 mask=is_block[:, None] & (slots >= fill_from[:, None]))
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     max_chunks: int = MAX_CHUNKS
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_aiter.align_by_expert in two launches, equal outputs. topk_ids [T, k] ->
+    """moe_aiter.align_by_expert in three launches, equal outputs. topk_ids [T, k] ->
       sorted_ids [P] int32: flat pair ids (t * k + j), expert by expert; padding = T * k
       expert_ids [P / block_m] int32: the expert of each block of block_m entries
       num_post_pad [1] int32: used length of sorted_ids (a multiple of block_m)
     with P = padded_capacity(T * k, num_experts, block_m). The pairs split into at most
-    max_chunks chunks of whole tiles: the first launch counts each chunk's pairs per expert,
-    the second has every program read all chunks' counts (a few KiB per chunk row) for the
-    offsets it needs and place its chunk's pairs, its blocks' experts and their padding."""
+    max_chunks chunks of whole tiles, so the one-program offsets pass reads one row of
+    counts per chunk however many tokens there are."""
     ids = topk_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
@@ -153,20 +158,24 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_p = max(16, min(256, 16384 // block_e))
     subs = triton.cdiv(triton.cdiv(num_pairs, block_p), max_chunks)
     num_chunks = triton.cdiv(num_pairs, block_p * subs)
-    block_b = max(1, min(8192 // block_e, 8192 // block_m))
+    block_b = max(1, 8192 // block_e)
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
     if num_pairs == 0:
-        return (torch.zeros(capacity, dtype=torch.int32, device=device), expert_ids,
-                num_post_pad.zero_())
-    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+        return sorted_ids, expert_ids, num_post_pad.zero_()
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=device)
+    chunk_starts = torch.empty_like(chunk_counts)
+    expert_ends = torch.empty(block_e, dtype=torch.int32, device=device)
     _count_chunk_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, subs, BLOCK_E=block_e,
                                        BLOCK_P=block_p, num_warps=4)
+    _offsets_kernel[(1,)](chunk_counts, chunk_starts, expert_ends, num_post_pad, num_chunks,
+                          BLOCK_M=block_m, BLOCK_E=block_e,
+                          BLOCK_C=max(1, 16384 // block_e), num_warps=8)
     _scatter_kernel[(max(num_chunks, triton.cdiv(num_blocks, block_b)),)](
-        ids, chunk_counts, sorted_ids, expert_ids, num_post_pad, num_pairs, subs, num_chunks,
+        ids, chunk_starts, expert_ends, sorted_ids, expert_ids, num_pairs, subs, num_chunks,
         num_blocks, NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_P=block_p, BLOCK_B=block_b, BLOCK_C=max(1, 4096 // block_e), num_warps=4)
+        BLOCK_P=block_p, BLOCK_B=block_b, num_warps=4)
     return sorted_ids, expert_ids, num_post_pad
 
 
