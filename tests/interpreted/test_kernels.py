@@ -346,7 +346,7 @@ def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts
                                                   max_chunks):
     """The three-launch align by expert: the torch align's outputs, entry for entry, padding
     and the blocks past the padded length included; few chunks make each one several tiles
-    of pairs, and 38 chunks of 128 experts more rows of counts than one pass reads."""
+    of pairs; the last case has 38 chunks of counts over 128 experts."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
                        for _ in range(num_tokens)])
