@@ -275,7 +275,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
     fp32, ids [T, k] int32, best first), the same arguments (grouped routing where
     route_supported). A program routes up to ROUTE_TILE // E tokens (one at a time in
     decode's single-token steps), so a prefill's thousands of tokens are a few hundred
-    programs, not one each."""
+    programs, not one each. A lone token's program is one warp: its softmax and k argmaxes
+    then reduce within the warp, with no round trip through shared memory per reduction."""
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring={scoring!r} is not 'softmax' or 'sigmoid'")
     num_tokens, num_experts = router_logits.shape
@@ -298,7 +299,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
         SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, N_GROUP=groups,
         TOPK_GROUP=(topk_group or groups) if groups > 1 else 1, BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_TOPK=triton.next_power_of_2(top_k), USE_PDL=pdl,
-        launch_pdl=pdl, num_warps=4)
+        launch_pdl=pdl, num_warps=1 if block_t == 1 else 4)
     return weights, ids
 
 
@@ -371,5 +372,5 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
         pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=512, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        BLOCK_N=256, USE_PDL=pdl, launch_pdl=pdl, num_warps=1)  # [k, 256]: one warp's worth
     return out
