@@ -357,12 +357,14 @@ class FusedMoE(nn.Module):
             out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
                                           dispatched.topk_ids)
             return self.dispatcher.combine(out, dispatched)
-        terms = {} if summed or not (self._leaves_terms and self._fused_moe
-                                     is prefill_kernels_fused_moe) else {"terms": True}
+        # Only our prefill kernels take `terms`; AITER's fused_moe and the torch loop sum.
+        leave_terms = (not summed and self._leaves_terms
+                       and self._fused_moe is prefill_kernels_fused_moe)
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
                               w13_bias=self.w13_bias,
                               w2_bias=self.w2_bias if self.tp_rank == 0 else None,  # added once
-                              **self._activation_kwargs, **terms)
+                              **self._activation_kwargs, **({"terms": True} if leave_terms
+                                                           else {}))
         return self._reduced(out)
 
     def _run_local_experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor,

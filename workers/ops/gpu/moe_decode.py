@@ -14,8 +14,9 @@ weights once per block of 16 pairs. Here a layer runs as
                       silu(gate) * up
     [down]            one program per (expert, BLOCK_N columns): act times down, times the
                       pair's routing weight
-    [sum over k]      one program per (token, 512 columns): each token's k weighted expert
-                      outputs added
+    [sum over k]      one program per (token, 256 columns), one warp: each token's k
+                      weighted expert outputs added; left out with terms=True, for a caller
+                      that adds them itself (the next RMSNorm, add_rms_norm.py)
 
 (with fewer pairs than experts, as at batch 1, the first grid axis walks pairs instead: program
 p runs the expert of pair p unless an earlier pair chose it, so no program waits on the device
@@ -372,5 +373,5 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
         pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=256, USE_PDL=pdl, launch_pdl=pdl, num_warps=1)  # [k, 256]: one warp's worth
+        BLOCK_N=256, USE_PDL=pdl, launch_pdl=pdl, num_warps=1)
     return out
