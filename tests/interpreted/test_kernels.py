@@ -275,6 +275,16 @@ def test_moe_decode(num_tokens, top_k, dtype):
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 
 
+@pytest.mark.parametrize("hidden", [moe_decode.SUM_BLOCK_N * 2 + 40])
+def test_moe_decode_sums_every_hidden_column(hidden):
+    """The sum over k spans the hidden size in several programs: every column of every token
+    is summed, the partial last block included."""
+    x, w13, w2, logits = experts(2, 4, hidden, 16, torch.float32, seed=3)
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
+    assert rel(out, torch_fused_moe(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+
+
 SIGMOID_GROUPED = dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)
 
 

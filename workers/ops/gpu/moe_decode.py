@@ -14,7 +14,7 @@ weights once per block of 16 pairs. Here a layer runs as
                       silu(gate) * up
     [down]            one program per (expert, BLOCK_N columns): act times down, times the
                       pair's routing weight
-    [sum over k]      one program per (token, 256 columns), one warp: each token's k
+    [sum over k]      one program per (token, SUM_BLOCK_N columns), one warp: each token's k
                       weighted expert outputs added; left out with terms=True, for a caller
                       that adds them itself (the next RMSNorm, add_rms_norm.py)
 
@@ -46,6 +46,8 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 MAX_PAIRS = 1024
 # Logits a routing program holds (tokens x experts): 16 tokens of 128 experts, 4 warps.
 ROUTE_TILE = 2048
+# Columns a sum-over-k program adds (one warp: [k, 256] values of one token).
+SUM_BLOCK_N = 256
 
 
 @triton.jit
@@ -371,7 +373,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     if top_k == 1:
         return pair_out
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=device)
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, 512))](
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, SUM_BLOCK_N))](
         pair_out, out, hidden_size, TOP_K=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=256, USE_PDL=pdl, launch_pdl=pdl, num_warps=1)
+        BLOCK_N=SUM_BLOCK_N, USE_PDL=pdl, launch_pdl=pdl, num_warps=1)
     return out
