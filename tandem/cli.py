@@ -205,7 +205,8 @@ def run_up(args: argparse.Namespace) -> int:
         groups = plan_stack(model, num_prefill=num_prefill, num_decode=num_decode,
                             num_both=args.both, host=args.host, port=args.port,
                             worker_flags=worker_flags(args, num_workers) + common,
-                            router_flags=router_flags(args) + common)
+                            router_flags=router_flags(args) + common,
+                            other_ports=[args.http_port] if args.http_port is not None else [])
         return _run_planned_stack(args, model, groups, tls)
 
 

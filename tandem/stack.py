@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,29 +71,45 @@ class Child:
 # Ports free_port picks from start here and end below the kernel's ephemeral range.
 LOWEST_PICKED_PORT = 20000
 _port_picker = random.Random()
+_handed_out: set[int] = set()  # every port free_port returned in this process
+_handed_out_lock = threading.Lock()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", *, avoid: Collection[int] = ()) -> int:
     """A TCP port free on `host` now, for a child process to bind soon after.
 
     Picked at random below the kernel's ephemeral port range: ports in that range are also
     handed out as the local ends of outgoing connections (health checks, NCCL/gloo, HTTP
     scrapes), and one of those can take a port between its choice here and the child's bind.
-    Another listener still may take it; a child that cannot bind fails naming the address.
+    A port is free here until its child binds it, so one process never gets the same port
+    twice (two children of a stack would collide), nor one in `avoid` (ports already promised
+    elsewhere, e.g. the router's --port). Another listener still may take it; a child that
+    cannot bind fails naming the address.
     """
     low = _ephemeral_range_start()
-    if low - LOWEST_PICKED_PORT >= 1000:
-        for _ in range(64):
-            port = _port_picker.randrange(LOWEST_PICKED_PORT, low)
+    with _handed_out_lock:
+        if low - LOWEST_PICKED_PORT >= 1000:
+            for _ in range(64):
+                port = _port_picker.randrange(LOWEST_PICKED_PORT, low)
+                if port not in _handed_out and port not in avoid and _can_bind(host, port):
+                    _handed_out.add(port)
+                    return port
+        while True:  # the kernel's choice; it too may repeat once the first socket closes
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out and port not in avoid:
+                _handed_out.add(port)
                 return port
+
+
+def _can_bind(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _ephemeral_range_start() -> int:
@@ -286,22 +302,26 @@ def _join_output(child: Child) -> None:
 
 def plan_stack(model: str, *, num_prefill: int, num_decode: int, num_both: int, host: str,
                port: int, worker_flags: Sequence[str] = (), router_flags: Sequence[str] = (),
-               python: str = sys.executable) -> list[list[ChildSpec]]:
+               python: str = sys.executable,
+               other_ports: Collection[int] = ()) -> list[list[ChildSpec]]:
     """The children of `tandem up`: workers (each on a free 127.0.0.1 port) in one group, then
-    the router on host:port, told every worker's address by role."""
+    the router on host:port, told every worker's address by role. The ports picked for the
+    workers and metrics differ from each other, from `port` and from `other_ports` (the
+    router's HTTP port)."""
+    taken = {port, *other_ports}
     cli = [python, "-m", "tandem.cli"]
     workers, by_role = [], {"prefill": [], "decode": [], "both": []}
     for role, count in (("prefill", num_prefill), ("decode", num_decode), ("both", num_both)):
         for index in range(count):
-            address = f"127.0.0.1:{free_port()}"
-            metrics_port = free_port()
+            address = f"127.0.0.1:{free_port(avoid=taken)}"
+            metrics_port = free_port(avoid=taken)
             workers.append(ChildSpec(f"{role}-{index}", [
                 *cli, "worker", "--role", role, "--model", model, "--host", "127.0.0.1",
                 "--port", address.rpartition(":")[2], "--metrics-host", "127.0.0.1",
                 "--metrics-port", str(metrics_port), *worker_flags], address,
                 f"127.0.0.1:{metrics_port}"))
             by_role[role].append(address)
-    metrics_port = free_port()
+    metrics_port = free_port(avoid=taken)
     router_argv = [*cli, "router", "--model", model, "--host", host, "--port", str(port),
                    "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)]
     for role, addresses in by_role.items():

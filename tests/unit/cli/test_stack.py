@@ -384,3 +384,23 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
         assert 20000 <= port < first_ephemeral
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_never_hands_out_a_port_twice_nor_one_to_avoid(monkeypatch):
+    """Ports stay unbound until their children start, so a repeat would give two children of
+    one stack the same port (CI once saw a router's metrics port taken that way)."""
+    from tandem import stack
+
+    # A 1000-port range: 300 random picks would repeat almost surely without the bookkeeping.
+    monkeypatch.setattr(stack, "_ephemeral_range_start", lambda: stack.LOWEST_PICKED_PORT + 1000)
+    avoid = set(range(stack.LOWEST_PICKED_PORT, stack.LOWEST_PICKED_PORT + 100))
+    ports = [free_port(avoid=avoid) for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert not avoid & set(ports)
+    groups = plan_stack("/m", num_prefill=3, num_decode=3, num_both=0, host="127.0.0.1",
+                        port=stack.LOWEST_PICKED_PORT, other_ports=[stack.LOWEST_PICKED_PORT + 1])
+    picked = [int(address.rpartition(":")[2]) for child in (*groups[0], *groups[1])
+              for address in (child.address, child.metrics_address)
+              if child.name != "router" or address == child.metrics_address]
+    assert len(set(picked)) == 13
+    assert not {stack.LOWEST_PICKED_PORT, stack.LOWEST_PICKED_PORT + 1} & set(picked)
