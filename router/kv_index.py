@@ -148,6 +148,12 @@ class KVIndex:
         return counts
 
 
+def _is_being_cancelled() -> bool:
+    """Whether someone called cancel() on the running task (Python 3.11+; False before)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is not None and cancelling() > 0
+
+
 def _count(counts: dict[int, int], bits: int, num_blocks: int) -> None:
     """Records num_blocks for each worker bit in `bits`, unless one is lower already."""
     while bits:
@@ -183,8 +189,10 @@ class KVEventFeed:
             self.metrics.kv_event_reconnects.labels(worker=address, role=worker.role)
         try:
             while not worker.is_removed:
+                # The pool replaces an unhealthy worker's channel and closes the old one (its
+                # reconnect): take the current stub each time.
+                channel = worker.channel
                 try:
-                    # The pool may replace the worker's channel: take the current stub.
                     call = worker.stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest())
                     async for message in call:
                         if message.is_snapshot:
@@ -198,6 +206,14 @@ class KVEventFeed:
                                        "its cache", worker.role, address)
                         return
                     reason = f"{exc.code().name}: {exc.details()}"
+                except grpc.aio.UsageError:  # the channel closed before the call started
+                    reason = "its channel was closed"
+                except asyncio.CancelledError:
+                    # Closing a channel cancels the calls on it, and the call raises
+                    # CancelledError into this task. Only a cancel of the task itself ends it.
+                    if worker.channel is channel or _is_being_cancelled():
+                        raise
+                    reason = "its channel was replaced"
                 if self.index.num_blocks(address) or worker.is_healthy:
                     logger.info("KV events of %s worker %s: %s; resubscribing", worker.role,
                                 address, reason)
