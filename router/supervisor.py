@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterSupervisorMetrics, serve_metrics
+from tandem.common.ports import free_port
 from tandem.router.metrics_aggregation import SummedPages, fetch_page
 
 logger = get_logger("tandem.router")
@@ -84,7 +84,7 @@ class Supervisor:
             Child(i, [*argv, "--processes", "1", "--process-index", str(i),
                       "--max-concurrency", str(share(max_concurrency, num_processes, i)),
                       "--max-queue", str(share(max_queue, num_processes, i)),
-                      "--metrics-host", "127.0.0.1"], _free_port())
+                      "--metrics-host", "127.0.0.1"], free_port())
             for i in range(num_processes)]
         self._stopping = threading.Event()
 
@@ -148,12 +148,6 @@ class Supervisor:
                 popen.kill()
                 popen.wait()
         return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -38,6 +38,7 @@ import torch
 
 from tandem.common.kv_layout import KVLayout
 from tandem.common.logging import get_logger
+from tandem.common.ports import free_port
 from tandem.workers.kv.block_payload import KVCaches
 from tandem.workers.kv.nixl_backend import block_runs
 from tandem.workers.kv.rank_connector import rank_export
@@ -104,7 +105,7 @@ class RankMori:
 
             self._mori = mori_io
             host = socket.gethostbyname(socket.gethostname())
-            config = mori_io.IOEngineConfig(host=host, port=_free_port(host))
+            config = mori_io.IOEngineConfig(host=host, port=free_port(host))
             key = (f"tandem-{socket.gethostname()}-{os.getpid()}-{self.rank}-"
                    f"{uuid.uuid4().hex[:8]}")
             engine = mori_io.IOEngine(key, config)
@@ -238,12 +239,6 @@ def _wait_out(statuses: list) -> None:
     """Returns once no READ of the transfer is in progress (MoRI-IO cannot cancel one)."""
     while any(s.InProgress() for s in statuses):
         time.sleep(1e-4)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _b64(data: bytes) -> str:

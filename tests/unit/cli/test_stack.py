@@ -389,18 +389,18 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
 def test_free_port_never_hands_out_a_port_twice_nor_one_to_avoid(monkeypatch):
     """Ports stay unbound until their children start, so a repeat would give two children of
     one stack the same port (CI once saw a router's metrics port taken that way)."""
-    from tandem import stack
+    from tandem.common import ports
 
     # A 1000-port range: 300 random picks would repeat almost surely without the bookkeeping.
-    monkeypatch.setattr(stack, "_ephemeral_range_start", lambda: stack.LOWEST_PICKED_PORT + 1000)
-    avoid = set(range(stack.LOWEST_PICKED_PORT, stack.LOWEST_PICKED_PORT + 100))
-    ports = [free_port(avoid=avoid) for _ in range(300)]
-    assert len(set(ports)) == len(ports)
-    assert not avoid & set(ports)
+    monkeypatch.setattr(ports, "_ephemeral_range_start", lambda: ports.LOWEST_PICKED_PORT + 1000)
+    avoid = set(range(ports.LOWEST_PICKED_PORT, ports.LOWEST_PICKED_PORT + 100))
+    picks = [free_port(avoid=avoid) for _ in range(300)]
+    assert len(set(picks)) == len(picks)
+    assert not avoid & set(picks)
     groups = plan_stack("/m", num_prefill=3, num_decode=3, num_both=0, host="127.0.0.1",
-                        port=stack.LOWEST_PICKED_PORT, other_ports=[stack.LOWEST_PICKED_PORT + 1])
+                        port=ports.LOWEST_PICKED_PORT, other_ports=[ports.LOWEST_PICKED_PORT + 1])
     picked = [int(address.rpartition(":")[2]) for child in (*groups[0], *groups[1])
               for address in (child.address, child.metrics_address)
               if child.name != "router" or address == child.metrics_address]
     assert len(set(picked)) == 13
-    assert not {stack.LOWEST_PICKED_PORT, stack.LOWEST_PICKED_PORT + 1} & set(picked)
+    assert not {ports.LOWEST_PICKED_PORT, ports.LOWEST_PICKED_PORT + 1} & set(picked)
