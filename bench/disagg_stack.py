@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.proc_stats import process_cpu_seconds, tree_cpu_seconds
-from tandem.stack import free_port
+from tandem.common.ports import free_port
 
 __all__ = ["LocalStack", "StackFailure", "build_tiny_checkpoint", "write_tokenizer"]
 POLL_S = 0.2

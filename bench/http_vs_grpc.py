@@ -36,7 +36,7 @@ from tandem.bench.report import latency_samples, summarize
 from tandem.bench.proc_stats import process_cpu_seconds
 from tandem.bench.runner import BenchmarkResult, async_run_benchmark
 from tandem.bench.up_stack import UpStack
-from tandem.stack import free_port
+from tandem.common.ports import free_port
 
 TARGETS = {"tpot_s": 0.05, "ttft_s": 0.10}  # |HTTP / gRPC - 1| at most
 TRANSPORTS = ("grpc", "http")

@@ -49,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.proc_stats import tree_cpu_seconds
 from tandem.bench.router_fakes import start_fake_worker
-from tandem.stack import free_port
+from tandem.common.ports import free_port
 from tandem.v1 import generate_pb2, generate_pb2_grpc
 
 # Never in the corpus text, but their first characters are: the scan keeps holding back text.

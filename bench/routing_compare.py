@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from tandem.bench.metrics_scrape import scrape
-from tandem.stack import free_port
+from tandem.common.ports import free_port
 
 STARTUP_TIMEOUT_S = 600.0
 

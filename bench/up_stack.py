@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.bench.metrics_scrape import scrape
 from tandem.bench.proc_stats import child_pids, is_running, rss_bytes
+from tandem.common.ports import free_port
 from tandem.common.security import INTERNAL_TOKEN_KEY
-from tandem.stack import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["UpStack", "UpChild", "is_serving"]

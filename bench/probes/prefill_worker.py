@@ -31,8 +31,8 @@ import grpc
 
 from tandem.bench.engine_models import write_model_dir
 from tandem.common.convert import engine_params_to_proto
+from tandem.common.ports import free_port
 from tandem.common.sampling_params import SamplingParams
-from tandem.stack import free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 300.0

@@ -33,7 +33,7 @@ from tandem.bench.proc_stats import tree_cpu_seconds
 from tandem.bench.router import _default_model, _wait_serving
 from tandem.bench.router_fakes import corpus_text, start_fake_worker
 from tandem.client import AsyncTandemClient
-from tandem.stack import free_port
+from tandem.common.ports import free_port
 
 NUM_HELD = 16  # the router's --max-concurrency, filled before the bursts
 

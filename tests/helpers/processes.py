@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.client import STACK_INTERNAL_TOKEN
 
-from tandem.stack import free_port  # noqa: F401 (the tests take it from here)
+from tandem.common.ports import free_port  # noqa: F401 (the tests take it from here)
 
 STARTUP_TIMEOUT_SECONDS = 180
 

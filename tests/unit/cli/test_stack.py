@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tandem import cli
-from tandem.stack import ChildSpec, Stack, StackError, free_port, plan_stack, run_stack
+from tandem.common.ports import free_port
+from tandem.stack import ChildSpec, Stack, StackError, plan_stack, run_stack
 
 STANDIN = r'''
 import argparse, asyncio, signal, sys, time
