@@ -14,7 +14,8 @@ none of them, so it rejoins with no KV in use for work that runs elsewhere or en
 An ejected worker with no request in flight gets a fresh channel after each failed check:
 gRPC's reconnect backoff on the old one (it grows to minutes) would hide a restarted worker from
 the checks long after it serves. A worker whose address disappears from its target stops
-receiving requests at once; its channel closes when its last request ends.
+receiving requests at once; its channel closes when its last request ends. A lookup that fails
+(router/discovery.py LookupFailed) keeps the target's last answer, so only an answer retires.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tandem.common.logging import get_logger
 from tandem.common.metrics import RouterMetrics
 from tandem.common.security import TLSFiles, open_channel
 from tandem.router.decode_streams import DecodeStream
-from tandem.router.discovery import Target
+from tandem.router.discovery import LookupFailed, Target
 from tandem.router.ejection import HealthPolicy, OutlierState
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -98,6 +99,9 @@ class WorkerPool:
         self.policy = None  # a routing_policy.RoutingPolicy; None: least loaded
         self._task: asyncio.Task | None = None
         self._checks: dict[WorkerEndpoint, asyncio.Task] = {}  # the check running per worker
+        # Per (role, target): its latest answer, and why its latest lookup failed ("" if not).
+        self._answers: dict[tuple[str, Target], list[str]] = {}
+        self._lookup_errors: dict[tuple[str, Target], str] = {}
 
     async def start(self) -> None:
         await self.refresh()
@@ -122,7 +126,7 @@ class WorkerPool:
         wanted = set()
         for role, targets in self.targets.items():
             for target in targets:
-                wanted.update((role, address) for address in await target.resolve())
+                wanted.update((role, address) for address in await self._lookup(role, target))
         known = {(w.role, w.address) for w in self.workers if not w.is_removed}
         for role, address in sorted(wanted - known):
             self._add(role, address)
@@ -137,6 +141,25 @@ class WorkerPool:
             if check is not None:
                 check.cancel()
             await worker.channel.close()
+
+    async def _lookup(self, role: str, target: Target) -> list[str]:
+        """The target's addresses now, or its last answer while a lookup fails (none before
+        its first answer). Logs each failure reason once, and the recovery."""
+        key = (role, target)
+        try:
+            self._answers[key] = await target.resolve()
+        except LookupFailed as exc:
+            if self._lookup_errors.get(key) != str(exc):
+                last = self._answers.get(key)
+                kept = ("none known until it answers" if last is None
+                        else f"keeping its last answer, {len(last)} worker(s)")
+                logger.warning("%s workers: %s; %s", role, exc, kept)
+            self._lookup_errors[key] = str(exc)
+            return self._answers.get(key, [])
+        if self._lookup_errors.pop(key, ""):
+            logger.info("%s target %s answers again: %d worker(s)", role, target.value,
+                        len(self._answers[key]))
+        return self._answers[key]
 
     def _add(self, role: str, address: str) -> WorkerEndpoint:
         worker = WorkerEndpoint(address, role, *self._connect(address),

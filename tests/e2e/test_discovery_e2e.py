@@ -8,7 +8,7 @@ import time
 
 import grpc
 from helpers.client import generate, request, worker_load
-from helpers.processes import free_port, start, stop, wait_serving, wait_until
+from helpers.processes import free_port, start, stop, wait_serving, wait_until, write_targets
 
 WORKER_FLAGS = ["--dtype", "float32", "--drain-delay-seconds", "2",
                 "--shutdown-grace-seconds", "20"]
@@ -27,8 +27,8 @@ def test_scale_decode_up_and_down_under_load_loses_nothing(checkpoint, tmp_path)
     decode0 = worker("decode-0", "decode", model, tmp_path)
     decode1 = worker("decode-1", "decode", model, tmp_path)
     prefill_file, decode_file = tmp_path / "prefill.txt", tmp_path / "decode.txt"
-    prefill_file.write_text(prefill.address + "\n")
-    decode_file.write_text(decode0.address + "\n")
+    write_targets(prefill_file, [prefill.address])
+    write_targets(decode_file, [decode0.address])
     port = free_port()
     router = start("router", ["tandem.router.server", "--model", str(model), "--port", str(port),
                               "--prefill", f"file://{prefill_file}",
@@ -49,18 +49,18 @@ def test_scale_decode_up_and_down_under_load_loses_nothing(checkpoint, tmp_path)
                                       timeout=60)
                     outcomes.append(result.complete.usage.completion_tokens)
                 except grpc.RpcError as exc:
-                    outcomes.append(exc.code())
+                    outcomes.append(f"{exc.code().name}: {exc.details()}")
                 i += 1
 
         threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
         for thread in threads:
             thread.start()
         time.sleep(1.5)
-        decode_file.write_text(f"{decode0.address}\n{decode1.address}\n")  # scale up
+        write_targets(decode_file, [decode0.address, decode1.address])  # scale up
         wait_until(lambda: worker_load(decode1.address).num_running > 0, timeout=20)
         time.sleep(1.0)
         # Scale down as Kubernetes does: the pod leaves the endpoints and gets SIGTERM.
-        decode_file.write_text(decode0.address + "\n")
+        write_targets(decode_file, [decode0.address])
         decode1.popen.send_signal(signal.SIGTERM)
         time.sleep(3.0)
         running.clear()

@@ -140,7 +140,7 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     late = None
     if num_late_decode:
         targets = log_dir / "decode-targets.txt"
-        targets.write_text("".join(f"{address}\n" for address in by_role["decode"]))
+        write_targets(targets, by_role["decode"])
         by_role["decode"] = [f"file://{targets}"]
         late = (targets, [workers[f"decode-{num_decode + i}"] for i in range(num_late_decode)])
     port = free_port()
@@ -163,13 +163,19 @@ def start_stack(model: Path, log_dir: Path, num_prefill: int = 1, num_decode: in
     return stack
 
 
+def write_targets(path: Path, addresses: list[str]) -> None:
+    """A file:// target listing `addresses`, replaced whole (written aside, renamed over): a
+    file rewritten in place can be read empty, and the router would retire every worker."""
+    staged = path.with_suffix(".staged")
+    staged.write_text("".join(f"{address}\n" for address in addresses))
+    os.replace(staged, path)
+
+
 def admit_late(stack: Stack) -> None:
     """Add the stack's late decode workers to the router's targets; returns once the router
     has them in its pool."""
     targets, late = stack.late
-    staged = targets.with_suffix(".staged")  # replaced whole: the router never reads half
-    staged.write_text(targets.read_text() + "".join(f"{w.address}\n" for w in late))
-    os.replace(staged, targets)
+    write_targets(targets, [*targets.read_text().split(), *(w.address for w in late)])
     stack.late = None
     wait_in_pool(stack.router, late)
 

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
 
 import pytest
 
-from tandem.router.discovery import Target
+from tandem.router.discovery import LookupFailed, Target
 from tandem.router.ejection import HealthPolicy
 from tandem.router.worker_pool import WorkerPool
 
@@ -19,7 +22,8 @@ def test_targets_parse_and_resolve(tmp_path):
     listing.write_text("127.0.0.1:1\n\n127.0.0.1:2\n")
     assert asyncio.run(Target.parse(f"file://{listing}").resolve()) == ["127.0.0.1:1",
                                                                          "127.0.0.1:2"]
-    assert asyncio.run(Target.parse(f"file://{tmp_path / 'missing'}").resolve()) == []
+    with pytest.raises(LookupFailed, match="cannot read .*missing"):
+        asyncio.run(Target.parse(f"file://{tmp_path / 'missing'}").resolve())
     for bad in ("no-port", "dns:///name", "host:http"):
         with pytest.raises(ValueError, match="host:port"):
             Target.parse(bad)
@@ -50,6 +54,72 @@ def test_pool_adds_and_retires_workers_as_the_target_changes(tmp_path):
         retiring.num_in_flight = 0
         await pool.refresh()
         assert retiring not in pool.workers
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_dns_server_failing_is_a_failed_lookup_and_an_unknown_name_no_workers(monkeypatch):
+    """EAI_AGAIN (the resolver timed out) says nothing about the workers; EAI_NONAME does."""
+    errors = iter([socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+                   socket.gaierror(socket.EAI_NONAME, "Name or service not known")])
+
+    async def failing_getaddrinfo(*args, **kwargs):
+        raise next(errors)
+
+    async def scenario():
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", failing_getaddrinfo)
+        target = Target.parse("dns:///decode.tandem.svc:7001")
+        with pytest.raises(LookupFailed, match="DNS lookup of decode.tandem.svc failed: "
+                                               "Temporary failure"):
+            await target.resolve()
+        assert await target.resolve() == []
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_lookup_keeps_the_last_answer_and_only_an_answer_retires(tmp_path, caplog):
+    listing = tmp_path / "decode.txt"
+    listing.write_text("127.0.0.1:1\n127.0.0.1:2\n")
+
+    async def scenario():
+        pool = WorkerPool(["127.0.0.1:9"], [f"file://{listing}"], [],
+                          HealthPolicy(check_interval_seconds=60))
+        await pool.refresh()
+        decode = [w for w in pool.workers if w.role == "decode"]
+        assert sorted(w.address for w in decode) == ["127.0.0.1:1", "127.0.0.1:2"]
+        # The file goes missing (a script deleting it before writing a new one): twice, and
+        # the warning says so once.
+        os.rename(listing, tmp_path / "aside.txt")
+        with caplog.at_level(logging.INFO, logger="tandem.router.worker_pool"):
+            await pool.refresh()
+            await pool.refresh()
+        assert [w for w in pool.workers if w.role == "decode"] == decode
+        assert not any(w.is_removed for w in decode)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == [f"decode workers: cannot read {listing}: No such file or directory;"
+                            " keeping its last answer, 2 worker(s)"]
+        # An answer again: an empty file retires them all, one line keeps that one.
+        listing.write_text("127.0.0.1:2\n")
+        await pool.refresh()
+        assert [w.address for w in pool.workers if w.role == "decode"] == ["127.0.0.1:2"]
+        assert "decode target %s answers again: 1 worker(s)" % listing in caplog.text
+        listing.write_text("")
+        await pool.refresh()
+        assert [w for w in pool.workers if w.role == "decode"] == []
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_target_that_never_answered_has_no_workers(tmp_path, caplog):
+    async def scenario():
+        pool = WorkerPool(["127.0.0.1:9"], [f"file://{tmp_path / 'not-yet'}"], [],
+                          HealthPolicy(check_interval_seconds=60))
+        with caplog.at_level(logging.WARNING, logger="tandem.router.worker_pool"):
+            await pool.refresh()
+        assert [w.role for w in pool.workers] == ["prefill"]
+        assert "none known until it answers" in caplog.text
         await pool.close()
 
     asyncio.run(scenario())
