@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     targets = ("comma-separated targets: host:port, dns:///name:port (every address the name "
-               "resolves to, re-resolved each health check), or file:///path (host:port lines, replaced whole)")
+               "resolves to, re-resolved each health check), or file:///path (host:port lines; "
+               "replace the file whole)")
     p.add_argument("--prefill", type=_addresses, default=[], help=f"prefill workers; {targets}")
     p.add_argument("--decode", type=_addresses, default=[], help=f"decode workers; {targets}")
     p.add_argument("--both", type=_addresses, default=[],
