@@ -99,7 +99,7 @@ class WorkerPool:
         self.policy = None  # a routing_policy.RoutingPolicy; None: least loaded
         self._task: asyncio.Task | None = None
         self._checks: dict[WorkerEndpoint, asyncio.Task] = {}  # the check running per worker
-        # Per (role, target): its latest answer, and why its latest lookup failed ("" if not).
+        # Per (role, target): its latest answer; and, while its lookups fail, the latest reason.
         self._answers: dict[tuple[str, Target], list[str]] = {}
         self._lookup_errors: dict[tuple[str, Target], str] = {}
 
