@@ -10,11 +10,13 @@ x context (KV of prefilled requests installed the way a decode worker receives t
 of one prompt per length, and for llama3-8b the same batch-1 decode through HF transformers.
 
 Reported per decode case: `model step` (one CUDA-graph replay, embedding to logits, timed with
-CUDA events) as a ratio to its floor = (weights + chosen experts + KV read) / copy bandwidth,
-and `engine step` (LLMEngine.step() calls back to back, wall time per call: schedule, inputs,
+CUDA events) as a ratio to its floor = (weights + chosen experts + KV read) / copy bandwidth;
+`engine step` (LLMEngine.step() calls back to back, wall time per call: schedule, inputs,
 replay, sampling, token handling; asynchronous scheduling overlaps the host part with the
-previous step's replay when the engine has it on). Prefill:
-the step's time against FLOPs / matmul rate. The table is printed last; --out keeps the JSON.
+previous step's replay when the engine has it on); `queued` (the model step's replay, ten
+queued back to back: the device's time per step without the host's latency in starting a
+lone replay) and its ratio to the floor. Prefill: the step's time against FLOPs / matmul
+rate. The table is printed last; --out keeps the JSON.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.engine_limits import DeviceLimits, measure_limits, shape_of, time_cuda
+from tandem.bench.engine_limits import (DeviceLimits, measure_limits, shape_of, time_cuda,
+                                        time_cuda_queued)
 from tandem.bench.engine_models import MODELS, write_model_dir
 from tandem.common.sampling_params import SamplingParams
 
@@ -132,6 +135,7 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
         engine.wait_in_flight()
         inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
         model_s = time_cuda(lambda: engine.runner.execute(inputs))
+        queued_s = time_cuda_queued(lambda: engine.runner.execute(inputs))
         experts = _experts_read(engine, inputs) if shape.num_moe_layers else 0
         table = profile_step(engine, inputs) if profile else None
     finally:
@@ -140,8 +144,9 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
     ctx = context + steps + 4  # keys read by the timed step
     floor_bytes = shape.decode_bytes(batch, ctx, experts)
     floor_s = floor_bytes / limits.copy_bytes_per_s
-    return {"model_step_ms": model_s * 1e3, "engine_step_ms": engine_s * 1e3,
-            "floor_ms": floor_s * 1e3, "ratio": model_s / floor_s,
+    return {"model_step_ms": model_s * 1e3, "queued_step_ms": queued_s * 1e3,
+            "engine_step_ms": engine_s * 1e3, "floor_ms": floor_s * 1e3,
+            "ratio": model_s / floor_s, "queued_ratio": queued_s / floor_s,
             "bytes_read_GB": floor_bytes / 1e9, "experts_read": experts,
             "graphed": engine.runner.graphs is not None, **({"profile": table} if table else {})}
 
@@ -262,7 +267,7 @@ def format_table(results: dict) -> str:
         lines.append(f"  op {mark} {row['op']:<28} {row['shape']:<24} {row['impl']:<34} "
                      f"{row['us']:8.1f} us{frac}")
     lines.append(f"{'model':<14} {'case':<18} {'model step':>11} {'floor':>9} {'ratio':>7} "
-                 f"{'engine step':>12}")
+                 f"{'engine step':>12} {'queued':>9} {'ratio':>6}")
     for name, res in results["models"].items():
         for case, row in res["decode"].items():
             if "skipped" in row:
@@ -270,7 +275,8 @@ def format_table(results: dict) -> str:
                 continue
             lines.append(f"{name:<14} decode {case:<11} {row['model_step_ms']:8.2f} ms "
                          f"{row['floor_ms']:6.2f} ms {row['ratio']:6.2f}x "
-                         f"{row['engine_step_ms']:9.2f} ms")
+                         f"{row['engine_step_ms']:9.2f} ms {row['queued_step_ms']:6.2f} ms "
+                         f"{row['queued_ratio']:5.2f}x")
         for length, row in res["prefill"].items():
             lines.append(f"{name:<14} prefill {length:<10} {row['ms']:8.1f} ms "
                          f"{row['floor_ms']:6.1f} ms  {row['matmul_fraction']:.0%} of matmul "

@@ -33,6 +33,27 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20) -> f
     return statistics.median(times)
 
 
+def time_cuda_queued(fn: Callable[[], object], *, calls: int = 10, warmup: int = 3,
+                     reps: int = 5) -> float:
+    """Median seconds per fn() when `calls` calls are queued back to back between two CUDA
+    events: the device's time per call. A lone call timed from an idle stream (time_cuda) also
+    counts the host's latency in handing the device its first work, which at a few
+    milliseconds a call is a visible and noisy share."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
 def copies_to_defeat_l2(bytes_per_call: int, limit: int = 20) -> int:
     """How many input sets to rotate through so that no call finds its inputs in L2 (3x the
     cache size in flight), as in a model step where each layer's weights and KV are read once."""
