@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.engine_limits import (DeviceLimits, measure_limits, shape_of, time_cuda,
-                                        time_cuda_queued)
+from tandem.bench.engine_limits import DeviceLimits, measure_limits, shape_of, time_cuda
 from tandem.bench.engine_models import MODELS, write_model_dir
 from tandem.common.sampling_params import SamplingParams
 
@@ -135,7 +134,7 @@ def bench_decode(engine, shape, limits: DeviceLimits, batch: int, context: int,
         engine.wait_in_flight()
         inputs = engine.runner.prepare_inputs(engine.scheduler.schedule())
         model_s = time_cuda(lambda: engine.runner.execute(inputs))
-        queued_s = time_cuda_queued(lambda: engine.runner.execute(inputs))
+        queued_s = time_cuda(lambda: engine.runner.execute(inputs), reps=5, calls=10)
         experts = _experts_read(engine, inputs) if shape.num_moe_layers else 0
         table = profile_step(engine, inputs) if profile else None
     finally:

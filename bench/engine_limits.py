@@ -17,28 +17,12 @@ from dataclasses import dataclass
 import torch
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20) -> float:
-    """Median seconds of fn() on the current stream (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def time_cuda_queued(fn: Callable[[], object], *, calls: int = 10, warmup: int = 3,
-                     reps: int = 5) -> float:
-    """Median seconds per fn() when `calls` calls are queued back to back between two CUDA
-    events: the device's time per call. A lone call timed from an idle stream (time_cuda) also
-    counts the host's latency in handing the device its first work, which at a few
-    milliseconds a call is a visible and noisy share."""
+def time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20, calls: int = 1
+              ) -> float:
+    """Median seconds per fn() on the current stream, `calls` calls queued back to back between
+    two CUDA events per rep. calls=1 times a lone call started from an idle stream, which also
+    counts the host's latency in handing the device its first work; a few queued calls give
+    the device's own time per call (a share that matters at a few milliseconds a call)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
