@@ -99,7 +99,7 @@ def test_a_failed_lookup_keeps_the_last_answer_and_only_an_answer_retires(tmp_pa
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert warnings == [f"decode workers: cannot read {listing}: No such file or directory;"
                             " keeping its last answer, 2 worker(s)"]
-        # An answer again: an empty file retires them all, one line keeps that one.
+        # An answer again: one line keeps that worker, then an empty file retires them all.
         listing.write_text("127.0.0.1:2\n")
         await pool.refresh()
         assert [w.address for w in pool.workers if w.role == "decode"] == ["127.0.0.1:2"]
