@@ -1,6 +1,7 @@
 """The torch backend on the GPU gives the tokens the CPU gives (fp32), and runs in bf16."""
 from __future__ import annotations
 
+import pytest
 from helpers.checkpoints import PARITY_LENGTHS, random_prompts
 
 from tandem import LLM, SamplingParams
@@ -27,7 +28,6 @@ def test_gpu_bf16_runs_batch(checkpoint):
 def _aiter_or_skip():
     from tandem.workers.ops.aiter_compat import aiter_available
     if not aiter_available():
-        import pytest
         pytest.skip("amd-aiter is not installed")
 
 
@@ -48,8 +48,10 @@ def test_aiter_triton_fp32_greedy_equals_transformers_with_graphs(checkpoint):
 def _assert_greedy_where_decided(ckpt, prompt, tokens, margin=0.05):
     """Each bf16 greedy token equals fp32 transformers' argmax given the same prefix (teacher
     forcing on our own tokens) wherever fp32's top-1 leads its top-2 by more than `margin`
-    logits; near-ties may go either way in bf16. Returns how many steps were decided."""
+    logits; near-ties may go either way in bf16. EOS is out of the running, as GREEDY's
+    min_tokens keeps it out of ours. Returns how many steps were decided."""
     logits = ckpt.logits(prompt + tokens)[len(prompt) - 1:-1]  # [n, V] fp32
+    logits[:, ckpt.model.config.eos_token_id] = float("-inf")
     decided = 0
     for i, token in enumerate(tokens):
         top = logits[i].topk(2)
@@ -76,15 +78,16 @@ def test_aiter_triton_bf16_tokens_follow_fp32_reference(checkpoint):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_whole_block_decode_kernel_bf16_tokens_follow_fp32_reference(checkpoint):
-    """Head dim 128, 2 KV heads: decode steps of up to 8 sequences run the whole-block CUDA
-    kernel (through CUDA graphs) where nvcc and sm_90 allow; tokens as in the test above."""
+@pytest.mark.parametrize("name", ["llama_h128", "qwen3_h128"])
+def test_whole_block_decode_kernel_bf16_tokens_follow_fp32_reference(checkpoint, name):
+    """Head dim 128, 2 KV heads, with and without Qwen3's QK norm in the RoPE launch before
+    it: decode steps of up to 8 sequences run the whole-block CUDA kernel (through CUDA
+    graphs) where nvcc and sm_90 allow; tokens as in the test above."""
     _aiter_or_skip()
-    import pytest
     import torch
 
     from tandem.workers.ops.attention_gpu import use_block_decode
-    ckpt = checkpoint("llama_h128")
+    ckpt = checkpoint(name)
     llm = LLM(ckpt.path, dtype="bfloat16", device="cuda", kernels="aiter-triton",
               max_num_seqs=8)
     k_cache, v_cache = llm.engine.runner.kv_caches[0]

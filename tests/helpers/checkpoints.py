@@ -27,6 +27,7 @@ CHECKPOINT_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen3": ("qwen3", {"head_dim": 32}, {}),
     # head_dim 128: the shapes the whole-block decode kernel serves (ops/attention_gpu.py)
     "llama_h128": ("llama", {"head_dim": 128}, {}),
+    "qwen3_h128": ("qwen3", {"head_dim": 128}, {}),  # with QK norm
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}, {}),
 }
 

@@ -14,8 +14,9 @@ from helpers.gpu_paged import paged_metadata, rel
 from helpers.moe_cases import random_experts
 
 from tandem.workers.ops.attention import AttentionMetadata, paged_attention_torch
-from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, kv_write, mla_decode, moe_decode,
-                                    moe_prefill, paged_decode, rope, silu_and_mul)
+from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, graph_inputs, kv_write,
+                                    mla_decode, moe_decode, moe_prefill, paged_decode, rope,
+                                    silu_and_mul)
 from tandem.workers.ops.kv_cache import write_slots
 from tandem.workers.ops.moe import select_experts, torch_fused_moe
 from tandem.workers.ops.moe_aiter import align_by_expert as torch_align_by_expert
@@ -366,3 +367,31 @@ def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts
     assert torch.equal(got[0], want[0])
     assert torch.equal(got[1], want[1])
 
+
+
+@pytest.mark.parametrize("batch, size, width", [(3, 4, 5), (4, 4, 9), (1, 8, 300)])
+def test_graph_inputs_copy_and_pad(batch, size, width):
+    """A batch into a graph's static buffers left dirty by a larger batch: its rows copied
+    (table entries up to the buffers' width), rows batch..size-1 padding, the rest untouched."""
+    gen = torch.Generator().manual_seed(batch + width)
+    rows, max_blocks = 10, 260
+    static = (torch.randint(5, 99, (rows,), generator=gen), torch.randint(5, 99, (rows,),
+              generator=gen), torch.randint(5, 99, (rows,), generator=gen),
+              torch.randint(5, 99, (rows,), generator=gen, dtype=torch.int32),
+              torch.randint(5, 99, (rows, max_blocks), generator=gen, dtype=torch.int32))
+    want = [t.clone() for t in static]
+    ids, pos, slots = (torch.randint(0, 1000, (batch,), generator=gen) for _ in range(3))
+    lens = torch.randint(1, 1000, (batch,), generator=gen, dtype=torch.int32)
+    tables = torch.randint(0, 1000, (batch, width + 3), generator=gen, dtype=torch.int32)
+    tables = tables[:, :width]  # rows strided, as a view of a wider table
+    graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables, static, size)
+    n = min(width, max_blocks)
+    for buffer, value, pad in zip(want, (ids, pos, slots, lens), (0, 0, -1, 1)):
+        buffer[:batch] = value
+        buffer[batch:size] = pad
+    want[4][:batch, :n] = tables[:, :n]
+    want[4][batch:size] = 0
+    for got, expected in zip(static, want):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="does not fit"):
+        graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables, static, batch - 1)

@@ -9,7 +9,8 @@ batch runs on the smallest graph that holds it, its extra rows padded:
     table row of zeros (it reads block 0 and its output is dropped)
 
 Invariants that make replays correct:
-* every graph reads its inputs from the same static buffers, which `run` fills before replay;
+* every graph reads its inputs from the same static buffers, which `run` fills before replay
+  in one launch (ops/gpu/graph_inputs.py);
 * kernels on the decode path take lengths and block tables from those device buffers, and
   their launch shapes depend only on the batch size (the graphs are captured with
   max_seq_len = max_model_len, so e.g. the split count of the decode attention fits any length);
@@ -49,6 +50,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                        self.block_tables)  # what `run` fills, in copy_graph_inputs' order
+        from tandem.workers.ops.gpu.graph_inputs import copy_graph_inputs  # Triton: GPU only
+        self._copy_inputs = copy_graph_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0  # decode steps served by a graph (tests, bench)
         self.logits: dict[int, torch.Tensor] = {}
@@ -100,19 +105,11 @@ class DecodeGraphs:
         """Logits [B, V] of a decode batch (one new token per sequence)."""
         batch = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= batch)
-        # The table's padded width may pass max_blocks; the columns past it are padding.
-        num_blocks = min(meta.block_tables.shape[1], self.max_blocks)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping)
-        self.seq_lens[:batch].copy_(meta.seq_lens)
-        self.block_tables[:batch, :num_blocks].copy_(meta.block_tables[:, :num_blocks])
-        if size > batch:  # rows a previous, larger batch left behind become padding again
-            self.input_ids[batch:size].zero_()
-            self.positions[batch:size].zero_()
-            self.slot_mapping[batch:size].fill_(-1)
-            self.seq_lens[batch:size].fill_(1)
-            self.block_tables[batch:size].zero_()
+        # One launch for the copies and the padding rows (rows a previous, larger batch left
+        # behind become padding again); the table's padded width may pass max_blocks, and
+        # its columns past max_blocks are padding.
+        self._copy_inputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                          meta.block_tables, self._static, size)
         self.graphs[size].replay()
         self.num_replays += 1
         return self.logits[size][:batch]
