@@ -368,7 +368,6 @@ def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts
     assert torch.equal(got[1], want[1])
 
 
-
 @pytest.mark.parametrize("batch, size, width", [(3, 4, 5), (4, 4, 9), (1, 8, 300)])
 def test_graph_inputs_copy_and_pad(batch, size, width):
     """A batch into a graph's static buffers left dirty by a larger batch: its rows copied

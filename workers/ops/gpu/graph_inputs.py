@@ -3,9 +3,9 @@
 engine/cuda_graphs.DecodeGraphs replays a graph captured over fixed buffers (token ids,
 positions, KV slots, sequence lengths, block tables); each step's values must be copied into
 them first, and a batch smaller than its graph pads the rows past it. As separate torch copies
-and fills that is five to ten launches per step, each a few microseconds of host time in which
-an idle GPU waits before the replay and, when the host runs ahead, a short kernel of its own
-between two replays. One program per row of the graph instead:
+and fills that is five to ten launches per step, each several microseconds of host time in
+which an idle GPU waits before the replay and, when the host runs ahead, a short kernel of its
+own between two replays. One program per row of the graph instead:
 
     row < batch   ids, position, slot, length and the first `width` table entries copied
     row >= batch  padding: id 0, position 0, slot -1 (the KV write skips it), length 1, and a
@@ -23,7 +23,7 @@ import triton.language as tl
 BLOCK = 256  # table entries per step of a program's loop
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "width", "table_stride"])  # one variant for all steps
 def _graph_inputs_kernel(ids_ptr, pos_ptr, slots_ptr, lens_ptr, tables_ptr,
                          ids_out, pos_out, slots_out, lens_out, tables_out,
                          batch, width, table_stride, out_stride, out_width,
