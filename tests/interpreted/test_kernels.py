@@ -394,3 +394,5 @@ def test_graph_inputs_copy_and_pad(batch, size, width):
         assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="does not fit"):
         graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables, static, batch - 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables.t(), static, size)
