@@ -48,6 +48,10 @@ def test_decode_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, s
                                   terms=True)  # the sum over k left to the caller
     assert terms.shape == (num_tokens, top_k, hidden_size)
     assert rel(terms.float().sum(1).to(torch.bfloat16), routed) <= 1e-3  # summing order
+    fp32_sum = moe_decode.decode_moe(hidden, w13, w2, router_logits=logits, top_k=top_k,
+                                     fp32_sum=True)  # added by the down kernel's atomics
+    assert fp32_sum.shape == (num_tokens, hidden_size) and fp32_sum.dtype == torch.float32
+    assert rel(fp32_sum.to(torch.bfloat16), routed) <= 1e-3
 
 
 GROUPED = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)
@@ -104,16 +108,21 @@ def test_tokens_that_pick_the_same_experts(num_tokens, by_pair):
 
 
 @pytest.mark.gpu
-def test_decode_moe_replays_in_a_cuda_graph():
-    hidden, w13, w2, logits = make_case(8, 128, 512, 256)
+@pytest.mark.parametrize("num_tokens, fp32_sum", [(8, False), (1, True), (8, True)])
+def test_decode_moe_replays_in_a_cuda_graph(num_tokens, fp32_sum):
+    """Replays with new logits give the new result; with fp32_sum the graph's sum is zeroed by
+    each replay's gate_up kernel, so replays never add onto the last one's values."""
+    hidden, w13, w2, logits = make_case(num_tokens, 128, 512, 256)
     static_logits = logits.clone()
-    moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8)  # compile
+    moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8,
+                          fp32_sum=fp32_sum)  # compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8)
-    for seed in range(3):
-        static_logits.copy_(torch.randn(8, 128, device="cuda", generator=torch.Generator(
-            device="cuda").manual_seed(seed)))
+        out = moe_decode.decode_moe(hidden, w13, w2, router_logits=static_logits, top_k=8,
+                                    fp32_sum=fp32_sum)
+    for seed in (0, 1, 1, 2):
+        static_logits.copy_(torch.randn(num_tokens, 128, device="cuda",
+                                        generator=torch.Generator(device="cuda").manual_seed(seed)))
         graph.replay()
         weights, ids = select_experts(static_logits, 8, renormalize=True)
         assert rel(out, torch_fused_moe(hidden, w13, w2, weights, ids)) <= MAX_REL

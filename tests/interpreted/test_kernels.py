@@ -73,6 +73,27 @@ def test_rms_norm_adds_the_terms_first(num_terms, dtype):
         add_rms_norm.rms_norm(terms, norm.weight.data, 1e-6, residual[:5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16], ids=["fp16"])
+def test_rms_norm_rounds_an_fp32_sum_to_the_residual_dtype(dtype):
+    """x fp32 [T, D] (a MoE layer's sum, decode_moe(fp32_sum=True)) with a residual in the
+    activation dtype: the same outputs, in that dtype, as for x rounded to it first; the torch
+    path likewise."""
+    torch.manual_seed(21)
+    norm = norm_module(96, dtype, 5)
+    x, residual = torch.randn(3, 96) * 3, torch.randn(3, 96).to(dtype)
+    want_residual = residual.clone()
+    want = add_rms_norm.rms_norm(x.to(dtype), norm.weight.data, 1e-6, want_residual)
+    got = add_rms_norm.rms_norm(x, norm.weight.data, 1e-6, residual)
+    assert got.dtype == dtype and torch.equal(got, want) and torch.equal(residual, want_residual)
+    with torch.no_grad():
+        torch_out, torch_sum = norm(x, residual.clone())
+        torch_want, torch_want_sum = norm(x.to(dtype), residual.clone())
+    assert torch_sum.dtype == dtype and torch.equal(torch_sum, torch_want_sum)
+    assert torch.equal(torch_out, torch_want)
+    with pytest.raises(ValueError, match="the residual's dtype or fp32"):
+        add_rms_norm.rms_norm(x.double(), norm.weight.data, 1e-6, residual)
+
+
 @DTYPES
 @pytest.mark.parametrize("neox, partial", [(True, 1.0), (False, 1.0), (True, 0.5)])
 def test_rope_and_kv_write(neox, partial, dtype):
@@ -157,13 +178,24 @@ def test_fused_gemv(fuse_norm, silu_mul, block_n, dtype):
     if silu_mul:
         gate, up = want.to(dtype).float().chunk(2, dim=-1)
         want = F.silu(gate) * up
+    config = {"block_n": block_n, "block_k": 64, "num_warps": 4, "num_stages": 1}
     got, new_residual = decode_gemv.fused_gemv(
         x, weight, residual=residual, norm_weight=norm.weight.data if fuse_norm else None,
-        eps=1e-6, silu_mul=silu_mul,
-        config={"block_n": block_n, "block_k": 64, "num_warps": 4, "num_stages": 1})
+        eps=1e-6, silu_mul=silu_mul, config=config)
     assert rel(got, want) <= TOL[dtype]
     if fuse_norm:
         assert torch.equal(new_residual, want_residual)
+        # x as an fp32 row (a MoE layer's sum, decode_moe(fp32_sum=True)): rounded to the
+        # residual's dtype first, so every output equals the one for that rounded row.
+        x32 = x.float() + torch.randn(1, 160) * 1e-3
+        got32, residual32 = decode_gemv.fused_gemv(
+            x32, weight, residual=residual, norm_weight=norm.weight.data, eps=1e-6,
+            silu_mul=silu_mul, config=config)
+        want32, want_residual32 = decode_gemv.fused_gemv(
+            x32.to(dtype), weight, residual=residual, norm_weight=norm.weight.data, eps=1e-6,
+            silu_mul=silu_mul, config=config)
+        assert got32.dtype == residual32.dtype == dtype
+        assert torch.equal(got32, want32) and torch.equal(residual32, want_residual32)
 
 
 @DTYPES
@@ -184,6 +216,13 @@ def test_fused_gemv_keeps_the_normed_row(config, dtype):
         config=config)
     assert torch.equal(normed, want_normed) and torch.equal(new_residual, want_residual)
     assert rel(logits, F.linear(want_normed.float(), weight.float())) <= TOL[dtype]
+    normed.fill_(float("nan"))  # the same from x as an fp32 row rounding to x
+    decode_gemv.fused_gemv(x.float(), weight, residual=residual, norm_weight=norm.weight.data,
+                           eps=1e-6, normed_out=normed, config=config)
+    assert torch.equal(normed, want_normed)
+    with pytest.raises(ValueError, match="needs x's shape and x in its dtype or fp32"):
+        decode_gemv.fused_gemv(x.double(), weight, residual=residual,
+                               norm_weight=norm.weight.data)
 
 
 def paged_metadata_cpu(seq_lens: list[int], block_size: int, num_blocks: int, seed: int
@@ -272,6 +311,15 @@ def test_moe_decode(num_tokens, top_k, dtype):
     terms = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, terms=True)
     assert terms.shape == (num_tokens, top_k, 48)  # the sum over k left to the caller
     assert rel(terms.float().sum(1).to(dtype), given) <= TOL[dtype]
+    for by_pair in (True, False):  # the sum added by the down kernel, in fp32
+        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair}
+        fp32_sum = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
+                                         config=config, fp32_sum=True)
+        assert fp32_sum.shape == (num_tokens, 48) and fp32_sum.dtype == torch.float32
+        assert rel(fp32_sum.to(dtype), given) <= TOL[dtype], by_pair
+    with pytest.raises(ValueError, match="pick one"):
+        moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, terms=True,
+                              fp32_sum=True)
     got_w, got_ids = moe_decode.route(logits, top_k, True)
     assert torch.equal(got_ids.long().sort(1).values, ids.sort(1).values)
 
@@ -282,8 +330,14 @@ def test_moe_decode_sums_every_hidden_column(hidden):
     is summed, the partial last block included."""
     x, w13, w2, logits = experts(2, 4, hidden, 16, torch.float32, seed=3)
     weights, ids = select_experts(logits, 2, renormalize=True)
+    want = torch_fused_moe(x, w13, w2, weights, ids)
     out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
-    assert rel(out, torch_fused_moe(x, w13, w2, weights, ids)) <= TOL[torch.float32]
+    assert rel(out, want) <= TOL[torch.float32]
+    # The fp32 sum spans more values than one zeroing store: every one is zeroed, then summed.
+    assert 2 * hidden > moe_decode.ZERO_BLOCK
+    fp32_sum = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
+                                     fp32_sum=True)
+    assert rel(fp32_sum, want) <= TOL[torch.float32]
 
 
 SIGMOID_GROUPED = dict(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5)

@@ -116,7 +116,9 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
             return super()._mlp_small_batch(hidden, residual)
         logits, residual, normed = small_batch.norm_router(
             hidden, residual, self.post_attention_layernorm, self.mlp.gate)
-        return self.mlp.route(normed, logits), residual
+        # Unsummed: the next layer's fused add + norm + qkv (or the final norm) takes the
+        # experts' fp32 sum, so no sum-over-k launch runs.
+        return self.mlp.route(normed, logits, summed=False), residual
 
     def build_mlp(self, config: Any, backend: KernelBackend, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):

@@ -332,10 +332,14 @@ class FusedMoE(nn.Module):
     def _decode_kernels(self, hidden: torch.Tensor, summed: bool, **routing: object
                         ) -> torch.Tensor:
         """moe_decode.decode_moe over this rank's experts (`routing`: router logits and top_k,
-        or the chosen weights and ids), all-reduced under TP; terms where `forward` allows."""
+        or the chosen weights and ids), all-reduced under TP; where `forward` allows, terms,
+        or for a single token its fp32 sum (added by the down kernel: no sum launch, and a row
+        that decode_gemv's fused add + norm takes as it takes a summed one)."""
         from tandem.workers.ops.gpu.moe_decode import decode_moe  # needs triton
-        terms = not summed and self._leaves_terms
-        return self._reduced(decode_moe(hidden, self.w13, self.w2, terms=terms, **routing))
+        unsummed = not summed and self._leaves_terms
+        single = hidden.shape[0] == 1
+        return self._reduced(decode_moe(hidden, self.w13, self.w2, terms=unsummed and not single,
+                                        fp32_sum=unsummed and single, **routing))
 
     def _reduced(self, out: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -348,7 +352,9 @@ class FusedMoE(nn.Module):
         of its experts' outputs. summed=False lets our kernels (`moe_decode`,
         `moe_prefill`) on one rank without expert parallelism return the k weighted outputs
         unsummed, [T, k, H], for a caller that adds them up itself (RMSNorm with a residual
-        does, in the same pass as the add); every other path returns [T, H] regardless."""
+        does, in the same pass as the add), or for a single token on the decode kernels their
+        sum as one fp32 row [1, H] (which RMSNorm and decode_gemv's fused add + norm round to
+        the residual's dtype); every other path returns [T, H] in the activation dtype."""
         if self._takes_decode_path(hidden.shape[0], topk_ids.shape[1]):
             return self._decode_kernels(hidden, summed, topk_weights=topk_weights,
                                         topk_ids=topk_ids)

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
         With residual, x may be [T, n, D]: n terms per row (a mixture-of-experts layer's
         weighted expert outputs, `SparseMoeBlock(summed=False)`), summed to [T, D] first (fp32,
-        rounded once to x's dtype).
+        rounded once to the residual's dtype), or an fp32 [T, D] (their sum, added in fp32 by
+        the experts' kernel), rounded to the residual's dtype first.
 
         On aiter-triton (one fused kernel) s is written into `residual` itself: callers must
         use the returned s and not the residual tensor they passed in.
@@ -43,6 +44,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._norm(x)
         if x.dim() == residual.dim() + 1:
-            x = x.sum(dim=1, dtype=torch.float32).to(x.dtype)
-        summed = x + residual
+            x = x.sum(dim=1, dtype=torch.float32)
+        summed = x.to(residual.dtype) + residual
         return self._norm(summed), summed

@@ -39,9 +39,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads,
         total = tl.zeros([ROWS, BLOCK], tl.float32)
         for term in tl.static_range(TERMS):
             total += tl.load(x_ptrs + term * stride_x_head, mask=mask, other=0.0).to(tl.float32)
-        x = total.to(x_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)
+        x = total.to(out_ptr.dtype.element_ty)
+    else:  # rounded to the activation dtype (out's): x may be a MoE layer's fp32 sum
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(out_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + rows[:, None] * stride_r + cols[None, :]
         s = x + tl.load(r_ptrs, mask=mask, other=0.0)
@@ -49,7 +49,7 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, num_rows, heads,
         x = s
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / n_cols + eps)
-    normed = (x32 * inv_rms[:, None]).to(x_ptr.dtype.element_ty)
+    normed = (x32 * inv_rms[:, None]).to(out_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=cols < n_cols)
     out = normed.to(tl.float32) * w.to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
@@ -61,8 +61,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x [T, D] or [T, H, D] (per-head norm; other ranks as their rows) -> norm(x),
     contiguous; with residual ([T, D], rows contiguous), residual becomes x + residual (in
     place) and the result is norm(x + residual), where a [T, n, D] x is first summed over its
-    n terms (module docstring). x needs a contiguous last dim; its token (and head or term)
-    strides may be anything."""
+    n terms (module docstring), and x may be fp32 in place of the residual's dtype (a MoE
+    layer's sum over k, `decode_moe(fp32_sum=True)`: rounded to that dtype before the add).
+    x needs a contiguous last dim; its token (and head or term) strides may be anything."""
     terms = 1
     if x.dim() == 3 and residual is not None:  # terms to add up: one row each
         if x.shape[::2] != residual.shape:
@@ -77,9 +78,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         if residual is not None:
             raise ValueError("rms_norm with a residual takes [T, D] inputs")
         return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    if residual is not None and x.dtype not in (residual.dtype, torch.float32):
+        raise ValueError(f"rms_norm: x is {x.dtype}, the residual {residual.dtype}: x needs "
+                         "the residual's dtype or fp32")
     n_cols = x.shape[-1]
-    out = torch.empty(x.shape if residual is None else residual.shape, dtype=x.dtype,
-                      device=x.device)
+    out = torch.empty(x.shape if residual is None else residual.shape,
+                      dtype=x.dtype if residual is None else residual.dtype, device=x.device)
     num_rows = x.shape[0] * heads
     if num_rows == 0:
         return out

@@ -36,21 +36,22 @@ from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 @triton.jit
 def _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k0, K, w, wu, acc, acc_up, sum_sq,
                 write_residual, HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr,
-                SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_K slice of the row: (add, norm-scale) x, then acc += w . x (and acc_up)."""
+                SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """One BLOCK_K slice of the row: (add, norm-scale) x, then acc += w . x (and acc_up).
+    DTYPE is the activation dtype; x is rounded to it first (an fp32 x is a MoE layer's sum)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
-    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(DTYPE)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(DTYPE)
         if write_residual:  # program 0 (a branch: Triton's interpreter takes no scalar masks)
             tl.store(res_out_ptr + offs_k, x, mask=mask_k)
     xf = x.to(tl.float32)
     if HAS_NORM:
         sum_sq += xf * xf
         nw = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        xf = (xf * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
+        xf = (xf * nw).to(DTYPE).to(tl.float32)
     acc += tl.sum(w.to(tl.float32) * xf[None, :], 1)
     if SILU_MUL:
         acc_up += tl.sum(wu.to(tl.float32) * xf[None, :], 1)
@@ -64,6 +65,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
                  WRITE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty  # the activation dtype (x may be an fp32 sum)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -81,7 +83,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
     sum_sq = tl.zeros([BLOCK_K], tl.float32)
     acc, acc_up, sum_sq = _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, 0, K, w, wu,
                                       acc, acc_up, sum_sq, pid == 0, HAS_RESIDUAL, HAS_NORM,
-                                      SILU_MUL, BLOCK_K)
+                                      SILU_MUL, BLOCK_K, dtype)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_nk = mask_n[:, None] & (offs_k < K)[None, :]
@@ -90,7 +92,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
             wu = tl.load(up_rows + offs_k[None, :], mask=mask_nk, other=0.0)
         acc, acc_up, sum_sq = _accumulate(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, k0, K, w,
                                           wu, acc, acc_up, sum_sq, pid == 0, HAS_RESIDUAL,
-                                          HAS_NORM, SILU_MUL, BLOCK_K)
+                                          HAS_NORM, SILU_MUL, BLOCK_K, dtype)
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
         acc = acc * rstd
@@ -100,20 +102,20 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, out_ptr, normed
                 for k0 in range(0, K, BLOCK_K):
                     offs_k = k0 + tl.arange(0, BLOCK_K)
                     mask_k = offs_k < K
-                    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+                    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(dtype)
                     if HAS_RESIDUAL:  # the inputs, summed as above (neither is written)
                         r = tl.load(res_ptr + offs_k, mask=mask_k, other=0.0)
-                        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
                     nw = tl.load(norm_w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                    h = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    h = (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)
                     tl.store(normed_ptr + offs_k, (h * nw).to(normed_ptr.dtype.element_ty),
                              mask=mask_k)
     y = acc
     if SILU_MUL:  # on the gate and up values rounded as the unfused path stores them
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(out_ptr + offs_n, y.to(dtype), mask=mask_n)
 
 
 # Launch settings measured best at shapes whose best differs from the general default:
@@ -154,7 +156,10 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
     """x [1, K], weight [N, K] (row-major) -> (y [1, N'], new residual or None).
 
     residual [1, K]: the add before the norm; its sum is returned as a new tensor (not written
-    in place: other programs are still reading the old one). norm_weight [K]: RMS-normalize
+    in place: other programs are still reading the old one). With a residual, x may be fp32
+    in place of the residual's dtype (a mixture-of-experts layer's sum over k,
+    `decode_moe(fp32_sum=True)`): it is rounded to that dtype before the add, and the
+    outputs take the residual's dtype. norm_weight [K]: RMS-normalize
     (x + residual) first. silu_mul: weight holds [gate | up] (N even) and y is
     silu(gate) * up, N' = N / 2. normed_out [1, K] (with norm_weight): receives the normalised
     row as RMSNorm computes it (normalise in fp32, round, scale by the weight, round), for a
@@ -167,16 +172,22 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
                          f"{tuple(x.shape)}")
     if silu_mul and n_total % 2:
         raise ValueError(f"silu_mul needs [gate | up] rows, got {n_total}")
-    if normed_out is not None and (norm_weight is None or normed_out.shape != x.shape
-                                   or normed_out.dtype != x.dtype):
-        raise ValueError("normed_out needs norm_weight and x's shape and dtype")
+    if normed_out is not None and (norm_weight is None or normed_out.shape != x.shape):
+        raise ValueError("normed_out needs norm_weight and x's shape")
+    if residual is not None and (residual.shape != x.shape or x.dtype not in (
+            residual.dtype, torch.float32)):
+        raise ValueError(f"fused_gemv: residual {tuple(residual.shape)} {residual.dtype} "
+                         f"needs x's shape and x in its dtype or fp32, got {x.dtype}")
     for name, t in (("x", x), ("weight", weight), ("residual", residual),
                     ("normed_out", normed_out)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"fused_gemv needs {name} with contiguous columns")
+    dtype = x.dtype if residual is None else residual.dtype
+    if normed_out is not None and normed_out.dtype != dtype:
+        raise ValueError(f"normed_out is {normed_out.dtype}, the activations {dtype}")
     n = n_total // 2 if silu_mul else n_total
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
+    out = torch.empty(1, n, dtype=dtype, device=x.device)
+    res_out = torch.empty_like(residual) if residual is not None else None
     cfg = config or default_config(n, k, silu_mul)
     pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](

@@ -16,7 +16,10 @@ weights once per block of 16 pairs. Here a layer runs as
                       pair's routing weight
     [sum over k]      one program per (token, SUM_BLOCK_N columns), one warp: each token's k
                       weighted expert outputs added; left out with terms=True, for a caller
-                      that adds them itself (the next RMSNorm, add_rms_norm.py)
+                      that adds them itself (the next RMSNorm, add_rms_norm.py), and with
+                      fp32_sum=True, where the down kernel adds each pair's output into an
+                      fp32 [T, H] sum with atomics instead (zeroed by the gate_up kernel) for
+                      a caller that adds the residual to an fp32 row (RMSNorm, decode_gemv.py)
 
 (with fewer pairs than experts, as at batch 1, the first grid axis walks pairs instead: program
 p runs the expert of pair p unless an earlier pair chose it, so no program waits on the device
@@ -31,7 +34,9 @@ drains and waits for it before its first read of anything a kernel wrote.
 
 Numerics: fp32 accumulation; gate and up are rounded to the activation dtype before
 silu(gate) * up, as the unfused path stores them; each weighted expert output is rounded to the
-activation dtype before the sum over k (as moe_aiter.py does).
+activation dtype before the sum over k (as moe_aiter.py does). The fp32 sum adds the same
+rounded outputs, in whatever order the atomics land: it equals the sum kernel's up to the order
+of k fp32 additions.
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ MAX_PAIRS = 1024
 ROUTE_TILE = 2048
 # Columns a sum-over-k program adds (one warp: [k, 256] values of one token).
 SUM_BLOCK_N = 256
+# fp32 sum values one gate_up program zeroes per store.
+ZERO_BLOCK = 1024
 
 
 @triton.jit
@@ -156,14 +163,23 @@ def _program_expert(ids_ptr, BY_PAIR: tl.constexpr, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I, stride_x,
-                    stride_we, stride_wn, stride_act, TOP_K: tl.constexpr,
-                    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, sum_ptr, sum_numel,
+                    num_pairs, K, I, stride_x, stride_we, stride_wn, stride_act,
+                    TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr,
+                    ZERO_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for the expert e of
-    program_id(0) (_program_expert), the pairs that chose it, and BLOCK_N of the I columns."""
+    program_id(0) (_program_expert), the pairs that chose it, and BLOCK_N of the I columns.
+    With ZERO_SUM the programs with program_id(0) == 0 also zero the fp32 sum [sum_numel] that
+    the down kernel adds into (that kernel waits for this one to finish)."""
     wait_for_previous_kernel(USE_PDL)  # the ids come from the route kernel
+    if ZERO_SUM:
+        if tl.program_id(0) == 0:  # after the wait: earlier kernels may still read the memory
+            offs = tl.program_id(1) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+            for start in range(0, sum_numel, tl.num_programs(1) * ZERO_BLOCK):
+                tl.store(sum_ptr + start + offs, tl.zeros([ZERO_BLOCK], tl.float32),
+                         mask=start + offs < sum_numel)
     expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, True, BLOCK_P) * runs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,12 +212,14 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, num_pairs, K, I,
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_pairs, K, N,
-                 stride_act, stride_we, stride_wn, stride_out, BLOCK_P: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BY_PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                 stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for the expert e of program_id(0)
     (_program_expert), the pairs that chose it (listed in sorted by the gate_up kernel), and
-    BLOCK_N of the N (hidden) columns."""
+    BLOCK_N of the N (hidden) columns. With ACCUMULATE, out is the fp32 [T, N] sum instead:
+    that value, rounded to the activation dtype, is atomically added to out[pair's token]."""
     wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
     expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
@@ -223,9 +241,15 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
                         other=0.0)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         routing_weight = tl.load(weights_ptr + pairs, mask=mask_m, other=0.0)
-        y = acc * routing_weight[:, None]
-        tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        y = (acc * routing_weight[:, None]).to(act_ptr.dtype.element_ty)
+        mask = mask_m[:, None] & mask_n[None, :]
+        if ACCUMULATE:
+            rows = (pairs // TOP_K).to(tl.int64)[:, None] * stride_out
+            tl.atomic_add(out_ptr + rows + offs_n[None, :], y.to(tl.float32), mask=mask,
+                          sem="relaxed")
+        else:
+            tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y,
+                     mask=mask)
 
 
 @triton.jit
@@ -310,7 +334,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                router_logits: torch.Tensor | None = None, top_k: int | None = None,
                renormalize: bool = True, topk_weights: torch.Tensor | None = None,
                topk_ids: torch.Tensor | None = None, config: dict[str, int] | None = None,
-               terms: bool = False) -> torch.Tensor:
+               terms: bool = False, fp32_sum: bool = False) -> torch.Tensor:
     """sum_j w[t, j] * expert_{id[t, j]}(hidden[t]) with SiLU-gated experts, hidden [T, H],
     w13 [E, 2I, H] ([gate | up]), w2 [E, H, I] -> [T, H].
 
@@ -318,8 +342,12 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     as select_experts(scoring="softmax") does) or topk_weights / topk_ids [T, k] chosen by the
     caller. T * k must be at most MAX_PAIRS (`fits`). No host sync. With terms the last
     launch (the sum over k) is left out: [T, k, H], token t's k weighted expert outputs in
-    slot order, for a caller that adds them up itself (RMSNorm with a residual).
+    slot order, for a caller that adds them up itself (RMSNorm with a residual). With fp32_sum
+    the down kernel adds them into an fp32 [T, H] (no sum launch), for a caller that rounds
+    that row to the activation dtype and adds the residual (RMSNorm, fused_gemv).
     """
+    if terms and fp32_sum:
+        raise ValueError("decode_moe: terms and fp32_sum are two different outputs; pick one")
     num_tokens, hidden_size = hidden.shape
     num_experts, size = w13.shape[0], w13.shape[1] // 2
     if router_logits is not None:
@@ -355,19 +383,25 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     act = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
     by_pair = cfg.get("by_pair", num_pairs < num_experts)
     programs = num_pairs if by_pair else num_experts
+    if fp32_sum:  # zeroed by the gate_up kernel
+        pair_out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
+    else:
+        pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=device)
     _gate_up_kernel[(programs, triton.cdiv(size, cfg["gate_up_block_n"]))](
-        hidden, w13, act, topk_ids, sorted_ids, num_pairs, hidden_size, size, hidden.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_P=block_p,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["gate_up_block_n"], BLOCK_K=cfg["block_k"],
-        BY_PAIR=by_pair, DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=device)
+        hidden, w13, act, topk_ids, sorted_ids, pair_out, pair_out.numel(), num_pairs,
+        hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["gate_up_block_n"],
+        BLOCK_K=cfg["block_k"], BY_PAIR=by_pair, ZERO_SUM=fp32_sum, DOT_PRECISION=precision,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _down_kernel[(programs, triton.cdiv(hidden_size, cfg["down_block_n"]))](
         act, w2, pair_out, topk_weights, topk_ids, sorted_ids, num_pairs, size, hidden_size,
-        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), BLOCK_P=block_p,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"], BLOCK_K=cfg["down_block_k"],
-        BY_PAIR=by_pair, DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), TOP_K=top_k,
+        BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"],
+        BLOCK_K=cfg["down_block_k"], BY_PAIR=by_pair, ACCUMULATE=fp32_sum,
+        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if fp32_sum:
+        return pair_out
     if terms:
         return pair_out.view(num_tokens, top_k, hidden_size)
     if top_k == 1:
