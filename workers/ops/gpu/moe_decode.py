@@ -167,8 +167,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, ids_ptr, sorted_ptr, sum_ptr, sum_num
                     num_pairs, K, I, stride_x, stride_we, stride_wn, stride_act,
                     TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr,
-                    ZERO_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    USE_PDL: tl.constexpr):
+                    ZERO_SUM: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """act[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, I + n]) for the expert e of
     program_id(0) (_program_expert), the pairs that chose it, and BLOCK_N of the I columns.
     With ZERO_SUM the programs with program_id(0) == 0 also zero the fp32 sum [sum_numel] that
@@ -391,8 +391,9 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         hidden, w13, act, topk_ids, sorted_ids, pair_out, pair_out.numel(), num_pairs,
         hidden_size, size, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["gate_up_block_n"],
-        BLOCK_K=cfg["block_k"], BY_PAIR=by_pair, ZERO_SUM=fp32_sum, DOT_PRECISION=precision,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=cfg["block_k"], BY_PAIR=by_pair, ZERO_SUM=fp32_sum, ZERO_BLOCK=ZERO_BLOCK,
+        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     _down_kernel[(programs, triton.cdiv(hidden_size, cfg["down_block_n"]))](
         act, w2, pair_out, topk_weights, topk_ids, sorted_ids, num_pairs, size, hidden_size,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), TOP_K=top_k,
