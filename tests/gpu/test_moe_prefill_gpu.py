@@ -170,6 +170,15 @@ def test_fused_moe_module_above_the_decode_path(moe_prefill_on):
     assert rel(terms.sum(dim=1) if moe_prefill_on else terms, ref) <= MAX_REL
     assert layers[0].forward_logits(hidden, logits, top_k=k, renormalize=True,
                                     summed=False).shape == (512, H)
+    # A single token never gets terms (its consumer may be the fused add + norm GEMV): on the
+    # decode kernels its fp32 sum, on these kernels (decode path off) one summed row.
+    one = layers[1].forward_logits(hidden[:1], logits[:1], top_k=k, renormalize=True,
+                                   summed=False)
+    assert one.shape == (1, H) and one.dtype == torch.float32 and rel(one, ref[:1]) <= MAX_REL
+    layers[1].decode_max_pairs = 0
+    one = layers[1].forward_logits(hidden[:1], logits[:1], top_k=k, renormalize=True,
+                                   summed=False)
+    assert one.shape == (1, H) and one.dtype == torch.bfloat16 and rel(one, ref[:1]) <= MAX_REL
 
 
 @pytest.mark.gpu

@@ -352,9 +352,10 @@ class FusedMoE(nn.Module):
         of its experts' outputs. summed=False lets our kernels (`moe_decode`,
         `moe_prefill`) on one rank without expert parallelism return the k weighted outputs
         unsummed, [T, k, H], for a caller that adds them up itself (RMSNorm with a residual
-        does, in the same pass as the add), or for a single token on the decode kernels their
-        sum as one fp32 row [1, H] (which RMSNorm and decode_gemv's fused add + norm round to
-        the residual's dtype); every other path returns [T, H] in the activation dtype."""
+        does, in the same pass as the add). A single token never gets terms: on the decode
+        kernels its sum comes as one fp32 row [1, H] (which RMSNorm and decode_gemv's fused add
+        + norm round to the residual's dtype). Every other path returns [T, H] in the
+        activation dtype."""
         if self._takes_decode_path(hidden.shape[0], topk_ids.shape[1]):
             return self._decode_kernels(hidden, summed, topk_weights=topk_weights,
                                         topk_ids=topk_ids)
@@ -363,8 +364,10 @@ class FusedMoE(nn.Module):
             out = self._run_local_experts(dispatched.hidden, dispatched.topk_weights,
                                           dispatched.topk_ids)
             return self.dispatcher.combine(out, dispatched)
-        # Only our prefill kernels take `terms`; AITER's fused_moe and the torch loop sum.
-        leave_terms = (not summed and self._leaves_terms
+        # Only our prefill kernels take `terms`; AITER's fused_moe and the torch loop sum. A
+        # single token's output stays one row: its consumer may be decode_gemv's fused add +
+        # norm, which takes no terms.
+        leave_terms = (not summed and self._leaves_terms and hidden.shape[0] > 1
                        and self._fused_moe is prefill_kernels_fused_moe)
         out = self._fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids,
                               w13_bias=self.w13_bias,
