@@ -303,13 +303,11 @@ def test_moe_decode(num_tokens, top_k, dtype):
     routed = moe_decode.decode_moe(x, w13, w2, router_logits=logits, top_k=top_k)
     given = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
     assert rel(routed, want) <= TOL[dtype] and rel(given, want) <= TOL[dtype]
-    for by_pair, slab in ((True, True), (True, False), (False, True), (False, False)):
-        # both grids, whichever the pair count picks by default; down by slabs and by K tiles
-        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair,
-                  "down_slab": slab}
+    for by_pair in (True, False):  # both grids, whichever the pair count picks by default
+        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair}
         out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
                                     config=config)
-        assert rel(out, want) <= TOL[dtype], (by_pair, slab)
+        assert rel(out, want) <= TOL[dtype], by_pair
     terms = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, terms=True)
     assert terms.shape == (num_tokens, top_k, 48)  # the sum over k left to the caller
     assert rel(terms.float().sum(1).to(dtype), given) <= TOL[dtype]

@@ -55,8 +55,6 @@ ROUTE_TILE = 2048
 SUM_BLOCK_N = 256
 # fp32 sum values one gate_up program zeroes per store.
 ZERO_BLOCK = 1024
-# Most weight values a down program holds in registers as a whole slab (64 KB of bf16).
-SLAB_VALUES = 32768
 
 
 @triton.jit
@@ -217,53 +215,31 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
                  stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 SLAB_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for the expert e of program_id(0)
     (_program_expert), the pairs that chose it (listed in sorted by the gate_up kernel), and
     BLOCK_N of the N (hidden) columns. With ACCUMULATE, out is the fp32 [T, N] sum instead:
-    that value, rounded to the activation dtype, is atomically added to out[pair's token].
-
-    With SLAB_K (K <= SLAB_K, a power of two) the program loads its whole [K, BLOCK_N] slab of
-    the weights before waiting for the gate_up kernel, so the slabs stream while that kernel
-    runs, and each BLOCK_M pairs then take one dot. The expert ids it needs for that come from
-    the route kernel, two launches back, which has finished before this kernel starts: this
-    kernel launches only once every gate_up program has passed its own wait (pdl.py)."""
-    if SLAB_K > 0:
-        expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-        offs_k = tl.arange(0, SLAB_K)
-        mask_k = offs_k < K
-        slab = tl.load(w_rows + offs_k[:, None], mask=(offs_k < K * runs)[:, None]
-                       & mask_n[None, :], other=0.0)  # a program that stands down reads none
-        wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
-    else:
-        wait_for_previous_kernel(USE_PDL)
-        expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    that value, rounded to the activation dtype, is atomically added to out[pair's token]."""
+    wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
+    expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
     for m0 in range(0, count, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < count
         pairs = tl.load(sorted_ptr + expert * num_pairs + offs_m, mask=mask_m, other=0)
         a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_act
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if SLAB_K > 0:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
             a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                         other=0.0)
-            acc = tl.dot(a, slab, acc, input_precision=DOT_PRECISION)
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                            other=0.0)
-                w = tl.load(w_rows + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
-                            other=0.0)
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            w = tl.load(w_rows + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
+                        other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         routing_weight = tl.load(weights_ptr + pairs, mask=mask_m, other=0.0)
         y = (acc * routing_weight[:, None]).to(act_ptr.dtype.element_ty)
         mask = mask_m[:, None] & mask_n[None, :]
@@ -302,17 +278,8 @@ def default_config(num_pairs: int) -> dict[str, int]:
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
     percent of each other; 16-row blocks since decode experts see a handful of tokens each)."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
-    slab = num_pairs <= 16  # down's weights stream while gate_up runs (_down_kernel, SLAB_K)
-    return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": 32 if slab else block_n,
-            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
-            "down_slab": slab}
-
-
-def _slab_k(size: int, cfg: dict[str, int]) -> int:
-    """The down kernel's SLAB_K: the padded intermediate size when the config asks for whole
-    slabs (`down_slab`) and a [K, down_block_n] slab stays within SLAB_VALUES; else 0."""
-    slab_k = triton.next_power_of_2(size)
-    return slab_k if cfg.get("down_slab") and slab_k * cfg["down_block_n"] <= SLAB_VALUES else 0
+    return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
+            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages}
 
 
 def fits(num_tokens: int, top_k: int) -> bool:
@@ -432,7 +399,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), TOP_K=top_k,
         BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"],
         BLOCK_K=cfg["down_block_k"], BY_PAIR=by_pair, ACCUMULATE=fp32_sum,
-        SLAB_K=_slab_k(size, cfg), DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if fp32_sum:
         return pair_out
