@@ -61,6 +61,10 @@ class BlockManager:
         # fills another block hashes only that block, not its whole prefix again. Dropped when
         # the sequence's blocks are freed.
         self._running_hashes: dict[int, tuple[int, BlockHasher]] = {}
+        # seq_id -> (hash, token ids) of its full blocks right past block_hashes, hashed by
+        # hash_ahead before their KV is computed; cache_computed_blocks registers them once it
+        # is. Dropped when the sequence's blocks are freed.
+        self._hashed_ahead: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         # Cumulative, in tokens (as vLLM reports them): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -117,21 +121,42 @@ class BlockManager:
                                f"only {len(self.free_block_ids)} are free")
         seq.block_table.extend(self._take_free_block() for _ in range(num_missing))
 
+    def hash_ahead(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash the full blocks within the sequence's first num_tokens tokens that are neither
+        registered nor hashed yet, so that cache_computed_blocks, once their KV is computed,
+        only registers them. The engine calls it while the device runs the step that computes
+        them: a block's hash covers token ids the host knows before the step (a long prompt's
+        512 blocks hash in about half a millisecond, which then overlaps the step). Only
+        tokens whose ids are known count."""
+        if not self.enable_prefix_caching:
+            return
+        ahead = self._hashed_ahead.setdefault(seq.seq_id, [])
+        start = len(seq.block_hashes) + len(ahead)
+        end = min(num_tokens, seq.num_known_tokens) // self.block_size
+        if end <= start:
+            return
+        kept_blocks, hasher = self._running_hashes.get(seq.seq_id, (-1, None))
+        if kept_blocks != start:
+            hasher = BlockHasher(seq.token_ids[:start * self.block_size])
+        self._running_hashes[seq.seq_id] = end, hasher
+        for index in range(start, end):
+            token_ids = tuple(seq.block_token_ids(index, self.block_size))
+            ahead.append((hasher.next_block(token_ids), token_ids))
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Make the sequence's newly computed full blocks findable by later prefix lookups."""
+        """Make the sequence's newly computed full blocks findable by later prefix lookups
+        (with the hashes hash_ahead computed for them, where it did)."""
         if not self.enable_prefix_caching:
             return
         num_computed_full = seq.num_computed_tokens // self.block_size
         num_hashed = len(seq.block_hashes)
         if num_hashed >= num_computed_full:
             return
-        kept_blocks, hasher = self._running_hashes.get(seq.seq_id, (-1, None))
-        if kept_blocks != num_hashed:
-            hasher = BlockHasher(seq.token_ids[:num_hashed * self.block_size])
-        self._running_hashes[seq.seq_id] = num_computed_full, hasher
-        for index in range(num_hashed, num_computed_full):
-            token_ids = tuple(seq.block_token_ids(index, self.block_size))
-            block_hash = hasher.next_block(token_ids)
+        self.hash_ahead(seq, seq.num_computed_tokens)  # whatever it has not hashed yet
+        ahead = self._hashed_ahead[seq.seq_id]
+        computed = ahead[:num_computed_full - num_hashed]
+        del ahead[:len(computed)]
+        for index, (block_hash, token_ids) in enumerate(computed, num_hashed):
             block = self.blocks[seq.block_table[index]]
             block.hash, block.token_ids = block_hash, token_ids
             seq.block_hashes.append(block_hash)
@@ -155,6 +180,7 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         self._running_hashes.pop(seq.seq_id, None)
+        self._hashed_ahead.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 

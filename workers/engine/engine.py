@@ -372,8 +372,9 @@ class LLMEngine:
         return self._run(batch, started)
 
     def _run(self, batch: SchedulerOutput, started: float) -> list[Sequence]:
-        """One step, synchronously: run it, then read and handle its tokens."""
-        output = self.executor.execute(batch)
+        """One step, synchronously: run it, then read and handle its tokens. The blocks the
+        step fills are hashed while the device runs it, and registered once it has."""
+        output = self.executor.execute(batch, lambda: self._hash_ahead(batch))
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -391,6 +392,11 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             self._handle_token(seq, token_id, now)
         return sampled
+
+    def _hash_ahead(self, batch: SchedulerOutput) -> None:
+        for item in batch.scheduled:
+            self.block_manager.hash_ahead(item.seq,
+                                          item.seq.num_computed_tokens + item.num_new_tokens)
 
     # -- asynchronous scheduling -------------------------------------------------------------
 

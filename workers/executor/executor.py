@@ -20,6 +20,7 @@ together.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,10 +88,15 @@ class Executor:
         """The follower ranks and their control channel (None: one rank)."""
         return None
 
-    def execute(self, batch: SchedulerOutput) -> SamplerOutput | None:
+    def execute(self, batch: SchedulerOutput,
+                while_running: Callable[[], None] | None = None) -> SamplerOutput | None:
         """Runs the batch's step on every rank; the tokens sampled for the batch's sampled
-        sequences, in batch order (None when the step samples none: a prefill chunk)."""
+        sequences, in batch order (None when the step samples none: a prefill chunk).
+        while_running: host work to do once the step is queued on the device, before its
+        tokens are read back (so it overlaps the step rather than following it)."""
         logits = self.runner.run(batch)  # [N, V] for the sampled sequences
+        if while_running is not None:
+            while_running()
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         return self.sampler(logits, sampled) if sampled else None
 

@@ -148,6 +148,42 @@ def test_no_hit_before_blocks_are_computed():
     bm.check_invariants([a, b, c])
 
 
+def test_blocks_hashed_ahead_are_found_only_once_computed():
+    """hash_ahead (the engine calls it while the device runs the step) registers nothing; the
+    blocks become findable as their KV is computed, with the hashes a manager that never
+    hashed ahead gives them, and a freed sequence's pending hashes go with its blocks."""
+    bm, plain = BlockManager(num_blocks=10, block_size=4), BlockManager(num_blocks=10,
+                                                                        block_size=4)
+    a, twin = make_seq(range(11)), make_seq(range(11))
+    bm.allocate(a)
+    plain.allocate(twin)
+    bm.hash_ahead(a, 6)  # the first chunk's full block
+    bm.hash_ahead(a, 11)  # and the rest, before either chunk is computed
+    assert not bm.hash_to_block_id and all(b.hash is None for b in bm.blocks)
+    b = make_seq(range(11))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    for computed in (6, 11):
+        a.num_computed_tokens = twin.num_computed_tokens = computed
+        bm.cache_computed_blocks(a)
+        plain.cache_computed_blocks(twin)
+        assert a.block_hashes == twin.block_hashes and len(a.block_hashes) == computed // 4
+    assert a.block_hashes[1] == BlockHasher().next_block(range(8))
+    c = make_seq([*range(8), 50, 51, 52, 53, 60])
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8
+    bm.hash_ahead(c, 13)  # its third block, past the two hits
+    bm.free(c)  # preempted mid-step: the pending hash goes with the blocks
+    bm.allocate(c)
+    bm.hash_ahead(c, 13)
+    c.num_computed_tokens = 13
+    bm.cache_computed_blocks(c)
+    hasher = BlockHasher()
+    assert c.block_hashes == [hasher.next_block(c.token_ids[i:i + 4]) for i in (0, 4, 8)]
+    bm.free(b)
+    bm.check_invariants([a, c])
+
+
 def test_last_token_is_never_served_from_cache():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = make_seq(range(8))  # exactly two full blocks

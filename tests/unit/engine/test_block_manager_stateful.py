@@ -60,6 +60,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A model step over seq's next num_new tokens: write their KV, then cache full blocks."""
         start = seq.num_computed_tokens
         assert len(seq.block_table) * BLOCK_SIZE >= start + num_new
+        if seq.seq_id % 2:  # as the engine does while the device runs a synchronous step
+            self.bm.hash_ahead(seq, start + num_new)
         for pos in range(start, start + num_new):
             block = self.bm.blocks[seq.block_table[pos // BLOCK_SIZE]]
             # Writing KV into a shared or findable block would corrupt another request's cache.
