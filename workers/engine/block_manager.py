@@ -125,9 +125,9 @@ class BlockManager:
         """Hash the full blocks within the sequence's first num_tokens tokens that are neither
         registered nor hashed yet, so that cache_computed_blocks, once their KV is computed,
         only registers them. The engine calls it while the device runs the step that computes
-        them: a block's hash covers token ids the host knows before the step (a long prompt's
-        512 blocks hash in about half a millisecond, which then overlaps the step). Only
-        tokens whose ids are known count."""
+        them, so the hashing (host work that grows with the prompt) overlaps the step: a
+        block's hash covers token ids the host knows before the step. Only tokens whose ids
+        are known count."""
         if not self.enable_prefix_caching:
             return
         ahead = self._hashed_ahead.setdefault(seq.seq_id, [])

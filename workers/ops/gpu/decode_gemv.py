@@ -159,11 +159,11 @@ def fused_gemv(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor 
     in place: other programs are still reading the old one). With a residual, x may be fp32
     in place of the residual's dtype (a mixture-of-experts layer's sum over k,
     `decode_moe(fp32_sum=True)`): it is rounded to that dtype before the add, and the
-    outputs take the residual's dtype. norm_weight [K]: RMS-normalize
-    (x + residual) first. silu_mul: weight holds [gate | up] (N even) and y is
-    silu(gate) * up, N' = N / 2. normed_out [1, K] (with norm_weight): receives the normalised
-    row as RMSNorm computes it (normalise in fp32, round, scale by the weight, round), for a
-    consumer other than this weight (the experts beside a router).
+    outputs take the residual's dtype. norm_weight [K]: RMS-normalize (x + residual) first.
+    silu_mul: weight holds [gate | up] (N even) and y is silu(gate) * up, N' = N / 2.
+    normed_out [1, K] (with norm_weight): receives the normalised row as RMSNorm computes it
+    (normalise in fp32, round, scale by the weight, round), for a consumer other than this
+    weight (the experts beside a router).
     """
     rows, k = x.shape
     n_total = weight.shape[0]
