@@ -68,6 +68,16 @@ def test_fused_gemv_matches_unfused_ops(n, k, silu_mul, fuse_norm, dtype):
     assert rel(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
     if fuse_norm:
         assert torch.equal(new_residual, ref_residual)  # the residual add is exact
+        # x as an fp32 row (a MoE layer's sum, decode_moe(fp32_sum=True)): rounded to the
+        # residual's dtype first, so the outputs equal those for that rounded row.
+        x32 = x.float() + torch.randn(rows, k, generator=gen, device=DEV) * 1e-3
+        out32, residual32 = fused_gemv(x32, weight, residual=residual, norm_weight=norm_weight,
+                                       eps=1e-5, silu_mul=silu_mul)
+        want32, want_residual32 = fused_gemv(x32.to(dtype), weight, residual=residual,
+                                             norm_weight=norm_weight, eps=1e-5,
+                                             silu_mul=silu_mul)
+        assert out32.dtype == dtype and torch.equal(residual32, want_residual32)
+        assert torch.equal(out32, want32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

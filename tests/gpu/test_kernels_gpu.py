@@ -222,6 +222,13 @@ def test_rms_norm_adds_expert_terms_first(tokens, terms, cols, dtype):
     tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
     assert out.shape == summed.shape == (tokens, cols)
     assert rel(out, ref_out) <= tol and rel(summed, ref_sum) <= tol
+    # Their sum as one fp32 row (decode_moe(fp32_sum=True)): rounded to the residual's dtype
+    # first, the same outputs as for that rounded row.
+    x32 = x.float().sum(1)
+    got32, want32 = residual.clone(), residual.clone()
+    out32 = op(x32, got32)[0]
+    assert out32.dtype == dtype and torch.equal(out32, op(x32.to(dtype), want32)[0])
+    assert torch.equal(got32, want32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
