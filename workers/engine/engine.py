@@ -374,7 +374,9 @@ class LLMEngine:
     def _run(self, batch: SchedulerOutput, started: float) -> list[Sequence]:
         """One step, synchronously: run it, then read and handle its tokens. The blocks the
         step fills are hashed while the device runs it, and registered once it has."""
-        output = self.executor.execute(batch, lambda: self._hash_ahead(batch))
+        hash_ahead = (lambda: self._hash_ahead(batch)) \
+            if self.block_manager.enable_prefix_caching else None  # nothing to hash without
+        output = self.executor.execute(batch, hash_ahead)
         sampled = [item.seq for item in batch.scheduled if item.is_sampled]
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
