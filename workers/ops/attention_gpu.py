@@ -5,7 +5,10 @@
       run (block_decode_supported)           blocks by TMA bulk copy, graph-safe)
     decode, otherwise                      paged_decode_attention (ours, Triton split-KV,
                                              graph-safe)
-    prefill, nothing cached yet, no sinks  torch SDPA (flash) on this step's own K/V, per sequence
+    prefill, nothing cached yet, no sinks  FlashAttention-4 where installed on Hopper, for
+                                             several prompts or a long one (fa4_prefill.py),
+                                             else torch SDPA (cuDNN / flash) on this step's own
+                                             K/V, per sequence
     anything else (prefix-cache hits,      AITER unified_attention (paged, varlen, sinks,
       later chunks, sinks)                   sliding window)
 
@@ -36,6 +39,7 @@ from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
 from tandem.workers.ops.gpu.device_info import num_sms
+from tandem.workers.ops.gpu.fa4_prefill import fa4_prefill_attention, fa4_takes
 from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import fuses_qk_norm, rope_and_write_kv
@@ -76,6 +80,9 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
         return decode_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale,
                                 sliding_window=layer.sliding_window, sinks=layer.sinks)
     if layer.sinks is None and _nothing_cached(meta):
+        if fa4_takes(q, k, meta.num_seqs, q.shape[0], layer.sliding_window):
+            return fa4_prefill_attention(q, k, v, meta.query_start_loc, meta.max_query_len,
+                                         layer.scale)
         return _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
     if q.dtype == torch.float32:
         from tandem.workers.ops.attention import paged_attention_torch

@@ -16,6 +16,8 @@ Fields, each with the environment variable that gives its default:
     moe_prefill          TANDEM_MOE_PREFILL=0 sends larger MoE batches through AITER's
                          fused_moe rather than our grouped GEMMs (ops/moe.py ->
                          ops/gpu/moe_prefill.py)
+    fa4_prefill          TANDEM_FA4_PREFILL=0 keeps fresh prefills on torch SDPA where
+                         FlashAttention-4 is installed (ops/gpu/fa4_prefill.py)
     kernel_cache         TANDEM_KERNEL_CACHE: where our CUDA C++ kernels are built
                          (ops/gpu/cuda_build.py); empty: ~/.cache/tandem/kernels
 
@@ -33,7 +35,8 @@ from pathlib import Path
 
 SWITCHES = {"block_decode": "TANDEM_BLOCK_DECODE", "pdl": "TANDEM_PDL",
             "one_shot_all_reduce": "TANDEM_ONE_SHOT_ALL_REDUCE",
-            "moe_decode": "TANDEM_MOE_DECODE", "moe_prefill": "TANDEM_MOE_PREFILL"}
+            "moe_decode": "TANDEM_MOE_DECODE", "moe_prefill": "TANDEM_MOE_PREFILL",
+            "fa4_prefill": "TANDEM_FA4_PREFILL"}
 KERNEL_CACHE = "TANDEM_KERNEL_CACHE"
 
 
@@ -45,6 +48,7 @@ class KernelOptions:
     kernel_cache: str = ""
     moe_decode: bool = True
     moe_prefill: bool = True
+    fa4_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in SWITCHES:

@@ -29,6 +29,8 @@ def test_the_environment_gives_the_defaults(monkeypatch):
     assert KernelOptions.from_env({"TANDEM_MOE_DECODE": "0"}).moe_decode is False
     assert KernelOptions.from_env({}).moe_prefill is True
     assert KernelOptions.from_env({"TANDEM_MOE_PREFILL": "0"}).moe_prefill is False
+    assert KernelOptions.from_env({}).fa4_prefill is True
+    assert KernelOptions.from_env({"TANDEM_FA4_PREFILL": "0"}).fa4_prefill is False
     monkeypatch.setenv("TANDEM_PDL", "0")
     assert EngineConfig(model="m").kernel_options.pdl is False
 

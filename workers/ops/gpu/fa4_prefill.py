@@ -1,0 +1,112 @@
+"""Fresh-prompt causal attention through FlashAttention-4's Hopper kernel, where it is installed.
+
+    if fa4_takes(q, k, num_seqs, num_tokens, sliding_window):
+        out = fa4_prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+FlashAttention-4 (the `flash-attn-4` package, `pip install tandem[hopper]`) is a
+warp-specialized attention forward written in CuTe DSL: one launch covers every sequence of the
+step (cu_seqlens, as varlen), reads GQA keys in place, and JIT-compiles one kernel per head
+layout and dtype on its first call (a few seconds; the worker's warm-up makes that call).
+
+Which fresh prefills take it (on an H100 against torch SDPA's cuDNN kernel, which the engine
+otherwise runs once per sequence; bench/RESULTS.md):
+- several sequences in one step: one launch instead of one SDPA call per sequence, whose host
+  cost (about 0.1 ms a call) dominates short prompts;
+- a lone prompt of at least LONE_MIN_TOKENS tokens, where the kernel itself is faster. Below
+  that cuDNN's lone call is shorter than FA4's host-side launch.
+
+Only compute capability 9.x (the kernel this module tunes; Blackwell's FA4 kernels are not
+measured here), bf16 / fp16, head dims FA4 accepts on Hopper, full causal attention (no sliding
+window; sinks never reach the fresh-prefill path). KernelOptions.fa4_prefill
+(TANDEM_FA4_PREFILL=0) turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from tandem.common.logging import get_logger
+from tandem.workers.ops import kernel_options
+
+logger = get_logger(__name__)
+
+LONE_MIN_TOKENS = 4096
+# Launch settings per head dim where one measured faster than FA4's own choice: for 128, tiles
+# of 192 queries x 128 keys with P staged through shared memory (not registers) for P @ V.
+_TUNED = {128: {"tile_mn": (192, 128), "mma_pv_is_rs": False}}
+
+
+def fa4_takes(q: torch.Tensor, k: torch.Tensor, num_seqs: int, num_tokens: int,
+              sliding_window: int | None) -> bool:
+    """Whether this fresh prefill (q [T, H, D], k [T, KVH, D]) runs on FA4 (module docstring).
+    Cheap checks first: FA4 is imported (seconds) only for a step that would take it."""
+    if not q.is_cuda or sliding_window is not None or q.dtype not in (torch.bfloat16,
+                                                                      torch.float16):
+        return False
+    if num_seqs == 1 and num_tokens < LONE_MIN_TOKENS:
+        return False
+    head_dim = q.shape[-1]
+    if head_dim % 8 or not 8 <= head_dim <= 256 or k.shape[-1] != head_dim:
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    return _device_takes(q.device.index or 0) and _forward() is not None
+
+
+@functools.cache
+def _device_takes(device_index: int) -> bool:
+    if not kernel_options.current().fa4_prefill or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@functools.cache
+def _forward() -> Callable | None:
+    """FA4's forward entry point, or None where the package is missing or does not load (then
+    the engine keeps torch SDPA; said once in the log)."""
+    try:
+        from flash_attn.cute import interface
+    except Exception as error:  # ImportError, or a native library that fails to load
+        logger.info("fresh prefills use torch SDPA: FlashAttention-4 is not available (%s: %s)",
+                    type(error).__name__, error)
+        return None
+    forward = getattr(interface, "_flash_attn_fwd", None)
+    if forward is None or not {"tile_mn", "mma_pv_is_rs"} <= set(
+            inspect.signature(forward).parameters):
+        # A release whose internal entry point moved: its public function, at its defaults.
+        public = interface.flash_attn_varlen_func
+
+        def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, **_tuning):
+            result = public(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                            softmax_scale=softmax_scale, causal=causal)
+            return result if isinstance(result, tuple) else (result,)
+    logger.info("fresh prefills of several prompts, or of %d tokens and more, use "
+                "FlashAttention-4 (flash-attn-4 %s)", LONE_MIN_TOKENS, _version())
+    return forward
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-attn-4")
+    except PackageNotFoundError:
+        return "unknown version"
+
+
+def fa4_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu_seqlens: torch.Tensor, max_seqlen: int,
+                          scale: float) -> torch.Tensor:
+    """Causal attention of each sequence over its own keys: q [T, H, D], k / v [T, KVH, D]
+    (rows may be strided, each row's elements contiguous), cu_seqlens int32 [N + 1] on the
+    device, max_seqlen the longest sequence. Returns a new [T, H, D] tensor. Call only where
+    fa4_takes said yes."""
+    outputs = _forward()(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
+                         causal=True, **_TUNED.get(q.shape[-1], {}))
+    return outputs[0]  # the output; the rest (log-sum-exp and such) are not asked for
