@@ -9,14 +9,17 @@
                                              several prompts or a long one (fa4_prefill.py),
                                              else torch SDPA (cuDNN / flash) on this step's own
                                              K/V, per sequence
+    prefill over cached context (prefix-   FlashAttention-4 where installed on Hopper, for
+      cache hits, later chunks), no sinks    256+ new tokens, no sliding window (paged)
     anything else (prefix-cache hits,      AITER unified_attention (paged, varlen, sinks,
       later chunks, sinks)                   sliding window)
 
 Why: at small batch AITER's decode kernels leave most SMs idle (see paged_decode.py); up to 8
 sequences the whole-block kernel reads KV faster than the Triton one, from 32 on the Triton
 kernel is ahead. For fresh prompts torch SDPA's causal flash attention is faster than AITER's
-Triton flash attention on NVIDIA GPUs; unified_attention is the one kernel that reads a paged
-context for prefills that continue earlier chunks. bench/engine.py re-measures these choices;
+Triton flash attention on NVIDIA GPUs, and on Hopper FlashAttention-4 beats both where it
+applies (fa4_prefill.py); unified_attention reads a paged context for prefills that continue
+earlier chunks wherever FA4 does not. bench/engine.py re-measures these choices;
 the latest numbers are on bench/RESULTS.md.
 In float32 (a test dtype), prefills with cached context use the torch reference instead of
 unified_attention, whose tl.dot rounds fp32 to tf32.
@@ -39,7 +42,8 @@ from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
     block_decode_attention, block_splits_for, layout_reason)
 from tandem.workers.ops.gpu.device_info import num_sms
-from tandem.workers.ops.gpu.fa4_prefill import fa4_prefill_attention, fa4_takes
+from tandem.workers.ops.gpu.fa4_prefill import (
+    fa4_paged_prefill_attention, fa4_prefill_attention, fa4_takes_fresh, fa4_takes_paged)
 from tandem.workers.ops.gpu.kv_write import write_kv_cache
 from tandem.workers.ops.gpu.paged_decode import num_splits_for, paged_decode_attention
 from tandem.workers.ops.gpu.rope import fuses_qk_norm, rope_and_write_kv
@@ -80,10 +84,13 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
         return decode_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale,
                                 sliding_window=layer.sliding_window, sinks=layer.sinks)
     if layer.sinks is None and _nothing_cached(meta):
-        if fa4_takes(q, k, meta.num_seqs, q.shape[0], layer.sliding_window):
+        if fa4_takes_fresh(q, k, meta.num_seqs, q.shape[0], layer.sliding_window):
             return fa4_prefill_attention(q, k, v, meta.query_start_loc, meta.max_query_len,
                                          layer.scale)
         return _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
+    if layer.sinks is None and fa4_takes_paged(q, layer.k_cache, q.shape[0],
+                                               layer.sliding_window):
+        return fa4_paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale)
     if q.dtype == torch.float32:
         from tandem.workers.ops.attention import paged_attention_torch
         return paged_attention_torch(q, layer.k_cache, layer.v_cache, meta, layer.scale,
