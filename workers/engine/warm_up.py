@@ -8,8 +8,11 @@ Which variants a step needs depends on its shape: prompt lengths under and over 
 sixteen prompts in one step (Triton specializes the kernels' num_seqs on == 1 and on multiples
 of 16), a prompt longer than the step budget, and decode steps at several batch sizes.
 
-Fresh prompts take torch SDPA (attention_gpu.py); unified_attention runs only on steps where
-some sequence continues over cached context, and picks its 2D kernel for <= 512 cached keys or
+Fresh prompts take torch SDPA, or FlashAttention-4 on Hopper where it is installed (several
+prompts in a step; attention_gpu.py, gpu/fa4_prefill.py), which also takes steps of 256+ new
+tokens over cached context: the rounds below reach both FA4 forms, so their one-time compiles
+(a few seconds each) happen here. unified_attention runs on the other steps where some
+sequence continues over cached context, and picks its 2D kernel for <= 512 cached keys or
 many query tiles and its 3D kernel otherwise, with 16, 32 or 64 segments by the step's query
 tiles. Without such steps a prefill worker compiles 2D variants while serving, about a second
 each, inside the first requests' TTFT. So CONTINUATIONS builds those steps on purpose: a filler prompt of (step budget - c)
