@@ -84,13 +84,18 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
         return decode_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale,
                                 sliding_window=layer.sliding_window, sinks=layer.sinks)
     if layer.sinks is None and _nothing_cached(meta):
+        out = None
         if fa4_takes_fresh(q, k, meta.num_seqs, q.shape[0], layer.sliding_window):
-            return fa4_prefill_attention(q, k, v, meta.query_start_loc, meta.max_query_len,
-                                         layer.scale)
-        return _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
+            out = fa4_prefill_attention(q, k, v, meta.query_start_loc, meta.max_query_len,
+                                        layer.scale)
+        if out is None:  # not taken, or refused (fa4_prefill.py)
+            out = _fresh_prefill_sdpa(q, k, v, meta, layer.scale, layer.sliding_window)
+        return out
     if layer.sinks is None and fa4_takes_paged(q, layer.k_cache, q.shape[0],
                                                layer.sliding_window):
-        return fa4_paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale)
+        out = fa4_paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale)
+        if out is not None:
+            return out
     if q.dtype == torch.float32:
         from tandem.workers.ops.attention import paged_attention_torch
         return paged_attention_torch(q, layer.k_cache, layer.v_cache, meta, layer.scale,

@@ -3,6 +3,7 @@ cache layouts FA4 reads in place, and the steps that never take it (CPU tensors,
 lone prompts, few new tokens, sliding windows). Its kernel runs in tests/gpu."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem.workers.ops.gpu import fa4_prefill
@@ -44,3 +45,28 @@ def test_short_steps_stop_before_the_device_checks(monkeypatch):
     assert fa4_prefill.fa4_takes_fresh(q, k, 2, 2, None)
     assert not fa4_prefill.fa4_takes_paged(q, cache, paged - 1, None)
     assert fa4_prefill.fa4_takes_paged(q, cache, paged, None)
+
+
+def test_a_layout_fa4_refuses_falls_back_and_stays_off(monkeypatch, caplog):
+    """A first call that raises (a layout this FA4 release does not build) returns None for
+    the caller's default kernel, is logged, and that layout is not offered again; once a
+    layout has run, its errors are raised as any kernel's."""
+    monkeypatch.setattr(fa4_prefill, "_ran", set())
+    monkeypatch.setattr(fa4_prefill, "_refused", set())
+    q = torch.zeros(4, 8, 80, dtype=torch.bfloat16)
+    k = v = torch.zeros(4, 2, 80, dtype=torch.bfloat16)
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("head dim 80 is not supported")
+
+    monkeypatch.setattr(fa4_prefill, "_forward", lambda: refuses)
+    assert fa4_prefill._call("fresh", q, k, v) is None
+    assert fa4_prefill._layout("fresh", q, k) in fa4_prefill._refused
+    assert "does not run fresh prefills of 8 query / 2 KV heads of 80" in caplog.text
+    assert fa4_prefill._layout("paged", q, k) not in fa4_prefill._refused
+
+    monkeypatch.setattr(fa4_prefill, "_forward", lambda: lambda *a, **kw: (q + 1, None))
+    assert torch.equal(fa4_prefill._call("paged", q, k, v), q + 1)
+    monkeypatch.setattr(fa4_prefill, "_forward", lambda: refuses)
+    with pytest.raises(AssertionError, match="head dim 80"):
+        fa4_prefill._call("paged", q, k, v)

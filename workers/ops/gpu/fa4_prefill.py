@@ -56,7 +56,7 @@ def fa4_takes_fresh(q: torch.Tensor, k: torch.Tensor, num_seqs: int, num_tokens:
     (module docstring)."""
     if num_seqs == 1 and num_tokens < LONE_MIN_TOKENS:
         return False
-    return _takes(q, k, sliding_window)
+    return _takes("fresh", q, k, sliding_window)
 
 
 def fa4_takes_paged(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int,
@@ -64,7 +64,7 @@ def fa4_takes_paged(q: torch.Tensor, k_cache: torch.Tensor, num_tokens: int,
     """Whether a prefill over cached context (q [T, H, D], k_cache [blocks, block size, KVH,
     D]) runs on FA4 (module docstring)."""
     return num_tokens >= PAGED_MIN_TOKENS and _pages_in_place(k_cache) \
-        and _takes(q, k_cache, sliding_window)
+        and _takes("paged", q, k_cache, sliding_window)
 
 
 def _pages_in_place(cache: torch.Tensor) -> bool:
@@ -77,7 +77,7 @@ def _pages_in_place(cache: torch.Tensor) -> bool:
         and cache.stride(0) * cache.element_size() % 16 == 0 and cache.data_ptr() % 16 == 0
 
 
-def _takes(q: torch.Tensor, k: torch.Tensor, sliding_window: int | None) -> bool:
+def _takes(form: str, q: torch.Tensor, k: torch.Tensor, sliding_window: int | None) -> bool:
     """What every FA4 path needs. Cheap checks first: FA4 is imported (seconds) only for a
     step that would take it."""
     if not q.is_cuda or sliding_window is not None or q.dtype not in (torch.bfloat16,
@@ -86,9 +86,40 @@ def _takes(q: torch.Tensor, k: torch.Tensor, sliding_window: int | None) -> bool
     head_dim = q.shape[-1]
     if head_dim % 8 or not 8 <= head_dim <= 256 or k.shape[-1] != head_dim:
         return False
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or _layout(form, q, k) in _refused:
         return False
     return _device_takes(q.device.index or 0) and _forward() is not None
+
+
+# Layouts (form, dtype, head dim, query heads, KV heads) whose first FA4 call ran, and those
+# whose first call raised (a layout this FA4 release does not build, found at warm-up): those
+# stay on the default kernels for the life of the process, said once in the log.
+_ran: set[tuple] = set()
+_refused: set[tuple] = set()
+
+
+def _layout(form: str, q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return form, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2]
+
+
+def _call(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          **kwargs) -> torch.Tensor | None:
+    """FA4's output for these arguments; None where this layout's first call raised. A
+    layout that ran once raises as any kernel does."""
+    layout = _layout(form, q, k)
+    if layout in _ran:
+        return _forward()(q, k, v, **kwargs)[0]  # the output; the log-sum-exp is not asked for
+    try:
+        out = _forward()(q, k, v, **kwargs)[0]
+    except Exception as error:  # its compile or argument checks refused this layout
+        _refused.add(layout)
+        logger.warning("FlashAttention-4 does not run %s prefills of %d query / %d KV heads "
+                       "of %d in %s (%s: %s); they stay on the default attention kernels",
+                       form, layout[3], layout[4], layout[2], layout[1], type(error).__name__,
+                       error)
+        return None
+    _ran.add(layout)
+    return out
 
 
 @functools.cache
@@ -105,8 +136,8 @@ def _forward() -> Callable | None:
     try:
         from flash_attn.cute import interface
     except Exception as error:  # ImportError, or a native library that fails to load
-        logger.info("fresh prefills use torch SDPA: FlashAttention-4 is not available (%s: %s)",
-                    type(error).__name__, error)
+        logger.info("prefill attention stays on torch SDPA and unified_attention: "
+                    "FlashAttention-4 is not available (%s: %s)", type(error).__name__, error)
         return None
     forward = getattr(interface, "_flash_attn_fwd", None)
     if forward is None or not {"tile_mn", "mma_pv_is_rs"} <= set(
@@ -137,24 +168,24 @@ def _version() -> str:
 
 def fa4_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cu_seqlens: torch.Tensor, max_seqlen: int,
-                          scale: float) -> torch.Tensor:
+                          scale: float) -> torch.Tensor | None:
     """Causal attention of each sequence over its own keys: q [T, H, D], k / v [T, KVH, D]
     (rows may be strided, each row's elements contiguous), cu_seqlens int32 [N + 1] on the
-    device, max_seqlen the longest sequence. Returns a new [T, H, D] tensor. Call only where
-    fa4_takes_fresh said yes."""
-    outputs = _forward()(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
-                         causal=True, **_TUNED_FRESH.get(q.shape[-1], {}))
-    return outputs[0]  # the output; the rest (log-sum-exp and such) are not asked for
+    device, max_seqlen the longest sequence. Returns a new [T, H, D] tensor, or None where FA4
+    refused this layout (the caller runs its default kernel). Call only where fa4_takes_fresh
+    said yes."""
+    return _call("fresh", q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
+                 causal=True, **_TUNED_FRESH.get(q.shape[-1], {}))
 
 
 def fa4_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                                meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
     """Causal attention of each sequence's new tokens over all its keys in the paged cache
     (this step's already written): q [T, H, D], caches [blocks, block size, KVH, D], and the
     step's query_start_loc, seq_lens and block_tables (a sequence's queries are its last keys).
-    Returns a new [T, H, D] tensor. Call only where fa4_takes_paged said yes."""
-    outputs = _forward()(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
-                         seqused_k=meta.seq_lens, page_table=meta.block_tables,
-                         max_seqlen_q=meta.max_query_len, softmax_scale=scale, causal=True)
-    return outputs[0]
+    Returns a new [T, H, D] tensor, or None where FA4 refused this layout. Call only where
+    fa4_takes_paged said yes."""
+    return _call("paged", q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                 seqused_k=meta.seq_lens, page_table=meta.block_tables,
+                 max_seqlen_q=meta.max_query_len, softmax_scale=scale, causal=True)
