@@ -132,7 +132,7 @@ def _device_takes(device_index: int) -> bool:
 @functools.cache
 def _forward() -> Callable | None:
     """FA4's forward entry point, or None where the package is missing or does not load (then
-    the engine keeps torch SDPA; said once in the log)."""
+    prefills keep torch SDPA and unified_attention; said once in the log)."""
     try:
         from flash_attn.cute import interface
     except Exception as error:  # ImportError, or a native library that fails to load
