@@ -234,9 +234,16 @@ def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
                 {k: v for k, v in row.items() if k != "profile"}), flush=True)
             if "profile" in row:
                 print(row["profile"], flush=True)
+    fa4 = None
+    if args.prefill and args.kernels == "aiter-triton":
+        from tandem.workers.ops.gpu.fa4_prefill import LONE_MIN_TOKENS, fa4_in_use
+        fa4 = fa4_in_use(torch.device("cuda"))
     for length in args.prefill:
         row = bench_prefill(engine, shape, limits, length,
                             profile=args.profile and length == max(args.prefill))
+        # which attention the lone prompt ran (runs with and without flash-attn-4 differ)
+        row["attention"] = f"FlashAttention-4, {fa4}" if fa4 and length >= LONE_MIN_TOKENS \
+            else "torch SDPA"
         result["prefill"][str(length)] = row
         print(f"  {name} prefill {length}: " + json.dumps(
             {k: v for k, v in row.items() if k != "profile"}), flush=True)
@@ -279,7 +286,8 @@ def format_table(results: dict) -> str:
         for length, row in res["prefill"].items():
             lines.append(f"{name:<14} prefill {length:<10} {row['ms']:8.1f} ms "
                          f"{row['floor_ms']:6.1f} ms  {row['matmul_fraction']:.0%} of matmul "
-                         f"rate ({row['TFLOPs']:.0f} TFLOP/s)")
+                         f"rate ({row['TFLOPs']:.0f} TFLOP/s)"
+                         + (f", attention: {row['attention']}" if "attention" in row else ""))
         if "hf_decode_bs1" in res:
             hf = res["hf_decode_bs1"]
             lines.append(f"{name:<14} HF decode 1x{hf['context']:<6} {hf['ms']:8.2f} ms "

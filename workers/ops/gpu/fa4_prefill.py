@@ -157,6 +157,14 @@ def _forward() -> Callable | None:
     return forward
 
 
+def fa4_in_use(device: torch.device) -> str | None:
+    """The flash-attn-4 release this device's prefills run on (bf16 / fp16 layers of the
+    aiter-triton backend, per the rules above), or None where they never take it."""
+    if device.type != "cuda" or not _device_takes(device.index or 0) or _forward() is None:
+        return None
+    return f"flash-attn-4 {_version()}"
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

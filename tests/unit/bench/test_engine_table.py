@@ -1,0 +1,31 @@
+"""bench/engine.py's printed table names the attention each prefill row ran, so runs with and
+without flash-attn-4 installed are told apart; no GPU, no FA4: fa4_in_use says None."""
+from __future__ import annotations
+
+import torch
+
+from tandem.bench.engine import format_table
+from tandem.workers.ops.gpu.fa4_prefill import fa4_in_use
+
+
+def _results(attention: str | None) -> dict:
+    row = {"ms": 125.3, "floor_ms": 90.6, "matmul_fraction": 0.723, "TFLOPs": 567.6}
+    if attention is not None:
+        row["attention"] = attention
+    return {"limits": {"device": "NVIDIA H100 80GB HBM3", "copy_TBps": 2.98,
+                       "bf16_matmul_TFLOPs": 785.0}, "kernels": "aiter-triton",
+            "models": {"qwen3-30b-a3b": {"decode": {}, "prefill": {"8192": row}}}}
+
+
+def test_prefill_rows_name_their_attention():
+    table = format_table(_results("FlashAttention-4, flash-attn-4 4.0.0b36"))
+    assert "prefill 8192" in table and "72% of matmul rate" in table
+    assert table.rstrip().endswith("attention: FlashAttention-4, flash-attn-4 4.0.0b36")
+
+
+def test_rows_of_earlier_runs_print_as_before():
+    assert "attention" not in format_table(_results(None))
+
+
+def test_no_cpu_device_runs_fa4():
+    assert fa4_in_use(torch.device("cpu")) is None
