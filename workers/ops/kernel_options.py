@@ -16,8 +16,9 @@ Fields, each with the environment variable that gives its default:
     moe_prefill          TANDEM_MOE_PREFILL=0 sends larger MoE batches through AITER's
                          fused_moe rather than our grouped GEMMs (ops/moe.py ->
                          ops/gpu/moe_prefill.py)
-    fa4_prefill          TANDEM_FA4_PREFILL=0 keeps fresh prefills on torch SDPA where
-                         FlashAttention-4 is installed (ops/gpu/fa4_prefill.py)
+    fa4_prefill          TANDEM_FA4_PREFILL=0 keeps prefills on torch SDPA and AITER's
+                         unified_attention where FlashAttention-4 is installed
+                         (ops/gpu/fa4_prefill.py)
     kernel_cache         TANDEM_KERNEL_CACHE: where our CUDA C++ kernels are built
                          (ops/gpu/cuda_build.py); empty: ~/.cache/tandem/kernels
 
