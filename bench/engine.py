@@ -234,16 +234,15 @@ def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
                 {k: v for k, v in row.items() if k != "profile"}), flush=True)
             if "profile" in row:
                 print(row["profile"], flush=True)
-    fa4 = None
-    if args.prefill and args.kernels == "aiter-triton":
-        from tandem.workers.ops.gpu.fa4_prefill import LONE_MIN_TOKENS, fa4_in_use
-        fa4 = fa4_in_use(torch.device("cuda"))
+    from tandem.workers.ops.gpu import fa4_prefill
     for length in args.prefill:
+        launches = fa4_prefill.num_calls
         row = bench_prefill(engine, shape, limits, length,
                             profile=args.profile and length == max(args.prefill))
-        # which attention the lone prompt ran (runs with and without flash-attn-4 differ)
-        row["attention"] = f"FlashAttention-4, {fa4}" if fa4 and length >= LONE_MIN_TOKENS \
-            else "torch SDPA"
+        # which attention the prompt ran (runs with and without flash-attn-4 differ)
+        ran_fa4 = fa4_prefill.num_calls > launches
+        row["attention"] = f"FlashAttention-4, {fa4_prefill.fa4_in_use(torch.device('cuda'))}" \
+            if ran_fa4 else "torch SDPA"
         result["prefill"][str(length)] = row
         print(f"  {name} prefill {length}: " + json.dumps(
             {k: v for k, v in row.items() if k != "profile"}), flush=True)

@@ -70,3 +70,22 @@ def test_a_layout_fa4_refuses_falls_back_and_stays_off(monkeypatch, caplog):
     monkeypatch.setattr(fa4_prefill, "_forward", lambda: refuses)
     with pytest.raises(AssertionError, match="head dim 80"):
         fa4_prefill._call("paged", q, k, v)
+
+
+def test_launches_that_return_an_output_are_counted(monkeypatch):
+    """num_calls tells a caller (bench/engine.py) whether a step ran on FA4."""
+    monkeypatch.setattr(fa4_prefill, "_ran", set())
+    monkeypatch.setattr(fa4_prefill, "_refused", set())
+    monkeypatch.setattr(fa4_prefill, "num_calls", 0)
+    q = k = v = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(fa4_prefill, "_forward", lambda: lambda *a, **kw: (q, None))
+    fa4_prefill._call("fresh", q, k, v)
+    fa4_prefill._call("fresh", q, k, v)
+    assert fa4_prefill.num_calls == 2
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("refused")
+
+    monkeypatch.setattr(fa4_prefill, "_forward", lambda: refuses)
+    assert fa4_prefill._call("paged", q, k, v) is None
+    assert fa4_prefill.num_calls == 2
