@@ -30,7 +30,8 @@ WORKER_FLAGS = [("--dtype", str), ("--device", str), ("--kernels", str), ("--max
                 ("--kv-transfer", str),
                 ("--no-prefix-caching", "switch"), ("--tensor-parallel-size", int),
                 ("--enable-expert-parallel", "switch"), ("--enforce-eager", "switch"),
-                ("--async-scheduling", "switch"), ("--no-async-scheduling", "switch"),
+                ("--prefill-graph-tokens", int), ("--async-scheduling", "switch"),
+                ("--no-async-scheduling", "switch"),
                 ("--load-format", str), ("--max-step-stall-seconds", float),
                 ("--kv-pull-failure", str), ("--max-block-wait-seconds", float)]
 ROUTER_FLAGS = [("--max-model-len", int), ("--max-concurrency", int), ("--max-queue", int),

@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (aiter-triton on a GPU with amd-aiter installed, else torch) | "
                         "aiter-triton | torch")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: run every GPU decode step eagerly")
+                   help="no CUDA graphs: run every GPU decode and prefill step eagerly")
+    p.add_argument("--prefill-graph-tokens", type=int, default=2048,
+                   help="a lone fresh prompt of up to this many tokens prefills by replaying a "
+                        "CUDA graph (one rank, with decode graphs on); 0: every prefill eager")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="queue decode step N+1 on the device before reading step N's tokens "
                         "(default: on for a one-rank GPU worker; --async-scheduling also on "
@@ -159,7 +162,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
-        enforce_eager=args.enforce_eager, load_format=args.load_format,
+        enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
+        load_format=args.load_format,
         async_scheduling=args.async_scheduling,
         kernel_options=kernel_options(args))
 

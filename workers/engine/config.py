@@ -45,6 +45,11 @@ class EngineConfig:
     load_format: str = "auto"
     # GPU decode steps replay CUDA graphs (aiter-triton kernels); True runs every step eagerly.
     enforce_eager: bool = False
+    # With decode graphs on (one rank, a plain K/V cache): a lone fresh prompt of up to this
+    # many tokens (and max_num_batched_tokens) prefills by replaying a CUDA graph padded to a
+    # bucket (prefill_graphs.py); its launches otherwise cost more host time than its kernels
+    # take. 0 turns them off.
+    prefill_graph_tokens: int = 2048
     # Queue decode step N+1 on the device before reading step N's tokens (engine.py). None: on
     # for a one-rank GPU engine; True also on CPU (nothing to gain there; tests use it).
     async_scheduling: bool | None = None
@@ -66,6 +71,8 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens={self.prefill_graph_tokens} must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
         if self.load_format not in LOAD_FORMATS:

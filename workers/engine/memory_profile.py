@@ -64,7 +64,7 @@ def memory_at_start(device: torch.device) -> MemoryAtStart | None:
 
 
 def size_rank_kv_cache(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart | None,
-                       capture_sizes: list[int]) -> KVCacheSize:
+                       capture_sizes: list[int], prefill_graph_tokens: int = 0) -> KVCacheSize:
     """This rank's KV cache size (module docstring); capture_sizes: the decode graphs' batch
     sizes, or [] when decode runs eagerly. Raises ValueError naming the sizes that do not fit."""
     bytes_per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, loaded.dtype)
@@ -76,7 +76,7 @@ def size_rank_kv_cache(config: EngineConfig, loaded: LoadedModel, start: MemoryA
             config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
             bytes_per_block=bytes_per_block, block_size=config.block_size,
             max_model_len=loaded.max_model_len)
-    profile = profile_memory(config, loaded, start, capture_sizes)
+    profile = profile_memory(config, loaded, start, capture_sizes, prefill_graph_tokens)
     size = size_kv_cache(profile, gpu_memory_utilization=config.gpu_memory_utilization,
                          bytes_per_block=bytes_per_block, block_size=config.block_size,
                          max_model_len=loaded.max_model_len,
@@ -91,7 +91,7 @@ def size_rank_kv_cache(config: EngineConfig, loaded: LoadedModel, start: MemoryA
 
 
 def profile_memory(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart,
-                   capture_sizes: list[int]) -> MemoryProfile:
+                   capture_sizes: list[int], prefill_graph_tokens: int = 0) -> MemoryProfile:
     """Measures the weights and one dummy prefill of max_num_batched_tokens tokens. Every TP
     rank runs it together (the forward's all-reduces pair up): the inputs depend only on the
     config, so all ranks build the same ones."""
@@ -117,6 +117,9 @@ def profile_memory(config: EngineConfig, loaded: LoadedModel, start: MemoryAtSta
     torch.cuda.empty_cache()
     sampler = config.max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
     graphs = CUDA_GRAPH_BASE_BYTES + sum(capture_sizes) * vocab_size * 4 if capture_sizes else 0
+    # The prefill graphs' pool holds the activations of their largest bucket for good, beside
+    # an eager step's: the measured peak, scaled to that bucket's share of the probe's tokens.
+    graphs += peak * prefill_graph_tokens // config.max_num_batched_tokens
     return MemoryProfile(total_bytes=start.total_bytes, used_by_others_bytes=start.used_bytes,
                          weights_bytes=weights, peak_activation_bytes=peak,
                          reserved_bytes=sampler + graphs + NON_TORCH_BYTES)

@@ -18,6 +18,7 @@ from torch import nn
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.host_to_device import as_device_tensor
+from tandem.workers.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.kv_cache import KVCacheOwner, kv_cache_kind_of
@@ -70,6 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
+        self.prefill_graphs: PrefillGraphs | None = None  # likewise
         layers = attention_layers(model)
         if not layers:
             raise ValueError(f"{type(model).__name__} has no KV-cache-owning attention layers")
@@ -100,18 +102,30 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens, %d layers, %.1f MB", num_kv_blocks,
                     block_size, len(layers), total / 1e6)
 
-    def enable_cuda_graphs(self, capture_sizes: list[int], max_model_len: int) -> None:
-        """Capture decode graphs; later decode batches up to the largest size replay them."""
+    def enable_cuda_graphs(self, capture_sizes: list[int], max_model_len: int,
+                           prefill_tokens: int = 0) -> None:
+        """Capture decode graphs; later decode batches up to the largest size replay them.
+        prefill_tokens > 0: also prefill graphs for a lone fresh prompt of up to that many
+        tokens (prefill_graphs.py), for models with a plain K/V cache ("mha")."""
         self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
                                    self.device)
+        buckets = prefill_buckets(prefill_tokens)
+        if buckets and kv_cache_kind(self.model) == "mha":
+            self.prefill_graphs = PrefillGraphs(self.model, buckets,
+                                                -(-max_model_len // self.block_size),
+                                                self.device)
 
     def release_cuda_graphs(self) -> None:
         """Frees the decode graphs (later decode steps run eagerly) once the GPU is done with
         them."""
-        if self.graphs is not None:
+        if self.graphs is not None or self.prefill_graphs is not None:
             torch.cuda.synchronize(self.device)
+        if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+            self.prefill_graphs = None
 
     def prepare_inputs(self, batch: SchedulerOutput) -> ModelInputs:
         """The step's tokens, positions, KV slots, sequence bounds, padded block tables and
@@ -186,6 +200,10 @@ class ModelRunner:
                                         -(-meta.max_seq_len // self.block_size)):
             # One token per sequence, every one sampled: logits_indices is 0..B-1.
             return self.graphs.run(inputs.input_ids, inputs.positions, meta).float()
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(
+                meta, inputs.input_ids.shape[0], inputs.logits_indices.numel()):
+            return self.prefill_graphs.run(inputs.input_ids, inputs.positions, meta,
+                                           inputs.logits_indices).float()
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, D]
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, 0), dtype=torch.float32)

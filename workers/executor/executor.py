@@ -34,7 +34,7 @@ from tandem.workers.engine.host_to_device import as_device_tensor, queued_copies
 from tandem.workers.engine.kv_sizing import KVCacheSize
 from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
                                                   size_rank_kv_cache)
-from tandem.workers.engine.model_runner import ModelRunner
+from tandem.workers.engine.model_runner import ModelRunner, kv_cache_kind
 from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
@@ -215,7 +215,9 @@ def _set_up(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart | No
         torch.cuda.set_device(device)  # graph capture and Triton launches below use it
     capture_sizes = default_capture_sizes(config.max_num_seqs) \
         if decode_graphs_possible(config, loaded.model, device) else []
-    num_kv_blocks = _resolve_num_kv_blocks(config, loaded, start, capture_sizes, group)
+    prefill_tokens = prefill_graph_tokens(config, loaded, capture_sizes, group)
+    num_kv_blocks = _resolve_num_kv_blocks(config, loaded, start, capture_sizes, group,
+                                           prefill_tokens)
     resolved = ResolvedConfig(
         max_model_len=loaded.max_model_len, num_kv_blocks=num_kv_blocks, dtype=loaded.dtype,
         device=device, vocab_size=loaded.hf_config.vocab_size,
@@ -224,7 +226,9 @@ def _set_up(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart | No
     runner = ModelRunner(loaded.model, num_kv_blocks, config.block_size, loaded.dtype, device)
     if group is not None:  # every step (and KV handoff) is mirrored on the follower ranks
         runner = LeaderRunner(runner, group)
-    if capture_sizes:  # with TP, every rank captures (LeaderRunner.enable_cuda_graphs)
+    if capture_sizes and group is None:
+        runner.enable_cuda_graphs(capture_sizes, loaded.max_model_len, prefill_tokens)
+    elif capture_sizes:  # with TP, every rank captures (LeaderRunner.enable_cuda_graphs)
         runner.enable_cuda_graphs(capture_sizes, loaded.max_model_len)
     if group is None:
         return OneRankExecutor(loaded, runner, resolved, config.seed)
@@ -248,13 +252,25 @@ def decode_graphs_possible(config: EngineConfig, model: nn.Module,
     return not blockers
 
 
+def prefill_graph_tokens(config: EngineConfig, loaded: LoadedModel, capture_sizes: list[int],
+                         group: RankGroup | None) -> int:
+    """The largest lone fresh prompt a prefill CUDA graph serves (prefill_graphs.py): with
+    decode graphs on one rank and a plain K/V cache, config.prefill_graph_tokens capped by
+    the largest step and max_model_len; else 0 (every prefill eager). TP ranks prefill
+    eagerly: a capture that fails for memory on one rank must not leave the ranks on different
+    paths."""
+    if not capture_sizes or group is not None or kv_cache_kind(loaded.model) != "mha":
+        return 0
+    return min(config.prefill_graph_tokens, config.max_num_batched_tokens, loaded.max_model_len)
+
+
 def _resolve_num_kv_blocks(config: EngineConfig, loaded: LoadedModel,
                            start: MemoryAtStart | None, capture_sizes: list[int],
-                           group: RankGroup | None) -> int:
+                           group: RankGroup | None, prefill_tokens: int = 0) -> int:
     """Every rank sizes its own cache (memory_profile.py); under TP on GPUs the ranks profile
     together and the smallest count wins (elsewhere the followers take rank 0's)."""
     if group is None or start is None or config.num_kv_blocks is not None:
-        size = size_rank_kv_cache(config, loaded, start, capture_sizes)
+        size = size_rank_kv_cache(config, loaded, start, capture_sizes, prefill_tokens)
     else:
         own: list[KVCacheSize] = []
 

@@ -1,0 +1,61 @@
+"""Prefill CUDA graphs (workers/engine/prefill_graphs.py): a lone fresh prompt replays a graph
+padded to its bucket and gives transformers' greedy tokens; every other prefill runs eagerly."""
+from __future__ import annotations
+
+import pytest
+from helpers.checkpoints import random_prompts
+
+from tandem import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+# Buckets 128, 192, 256; 300 runs eagerly, and a one-token prompt is a decode-shaped step
+# (the decode graphs take it).
+LENGTHS = [1, 7, 100, 128, 129, 193, 256, 300]
+
+
+def _aiter_or_skip():
+    from tandem.workers.ops.aiter_compat import aiter_available
+    if not aiter_available():
+        pytest.skip("amd-aiter is not installed")
+
+
+@pytest.mark.parametrize("fixture, name", [("checkpoint", "qwen3"),
+                                           ("moe_checkpoint", "qwen3_moe"),
+                                           ("moe_checkpoint", "mixtral")])
+def test_lone_prompts_replay_prefill_graphs_with_transformers_tokens(request, fixture, name):
+    _aiter_or_skip()
+    ckpt = request.getfixturevalue(fixture)(name)
+    llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, prefill_graph_tokens=256, enable_prefix_caching=False)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.buckets == [128, 192, 256]
+    for prompt in random_prompts(LENGTHS, seed=41):
+        before = graphs.num_replays
+        assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8), len(prompt)
+        assert graphs.num_replays == before + (1 < len(prompt) <= 256), len(prompt)
+    # Several prompts in one step: eager, and still right.
+    prompts = random_prompts([50, 120], seed=42)
+    before = graphs.num_replays
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        assert out.token_ids == ckpt.greedy(prompt, 8)
+    assert graphs.num_replays == before
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_prefix_hit_runs_eagerly_and_switch_turns_graphs_off(checkpoint):
+    _aiter_or_skip()
+    ckpt = checkpoint("llama")
+    prompt = random_prompts([200], seed=43)[0]
+    llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, prefill_graph_tokens=256)
+    graphs = llm.engine.runner.prefill_graphs
+    assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8)
+    replays = graphs.num_replays
+    assert replays == 1
+    # The same prompt again hits the prefix cache: the step's queries are not all its keys.
+    assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8)
+    assert graphs.num_replays == replays
+    off = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, prefill_graph_tokens=0)
+    assert off.engine.runner.prefill_graphs is None
+    assert off.engine.runner.graphs is not None  # decode graphs stay on
