@@ -19,6 +19,7 @@ Invariants that make replays correct:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,6 +34,39 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sorted(set(sizes + [max_num_seqs]))
+
+
+@torch.inference_mode()
+def capture_each(sizes: list[int], forward: Callable[[int], torch.Tensor],
+                 device: torch.device) -> tuple[dict[int, torch.cuda.CUDAGraph],
+                                                dict[int, torch.Tensor]]:
+    """One graph of forward(size) per size, largest first so that the later ones reuse its
+    memory pool; each size runs once eagerly before its capture (every kernel compiles and
+    autotunes outside it). Returns the graphs and the output tensors their replays rewrite."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for size in sorted(sizes, reverse=True):
+            forward(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[size] = forward(size)
+            graphs[size] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
+def release_each(graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor]
+                 ) -> None:
+    """Destroys the graphs now and forgets them and their outputs."""
+    for graph in graphs.values():
+        graph.reset()
+    graphs.clear()
+    outputs.clear()
 
 
 class DecodeGraphs:
@@ -71,30 +105,15 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))
         return self.model.compute_logits(hidden)
 
-    @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for batch in reversed(self.sizes):  # largest first: later graphs reuse its pool
-                self._forward(batch)  # compiles and autotunes every kernel outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[batch] = self._forward(batch)
-                self.graphs[batch] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        self.graphs, self.logits = capture_each(self.sizes, self._forward, device)
         logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.sizes),
                     ",".join(map(str, self.sizes)), time.monotonic() - started)
 
     def release(self) -> None:
         """Destroys every graph now, whoever still holds this object; can_run is False after."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.logits.clear()
+        release_each(self.graphs, self.logits)
         self.max_batch = 0
 
     def can_run(self, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:

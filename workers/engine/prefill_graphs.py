@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from tandem.common.logging import get_logger
+from tandem.workers.engine.cuda_graphs import capture_each, release_each
 from tandem.workers.ops.attention import AttentionMetadata
 
 logger = get_logger(__name__)
@@ -64,7 +65,7 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0  # prefill steps served by a graph (tests, bench)
-        self._metas: list[AttentionMetadata] = []  # the captured graphs read their tensors
+        self._metas: dict[int, AttentionMetadata] = {}  # per bucket; its graph reads them
         self._capture(device)
 
     def _meta(self, bucket: int) -> AttentionMetadata:
@@ -76,37 +77,22 @@ class PrefillGraphs:
             block_tables=self.block_tables, max_query_len=bucket, max_seq_len=bucket,
             query_start_loc_host=[0, bucket], seq_lens_host=[bucket])
 
-    def _forward(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
+    def _forward(self, bucket: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket],
+                            self._metas[bucket])
         return self.model.compute_logits(hidden[self.last])
 
-    @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for bucket in reversed(self.buckets):  # largest first: the others reuse its pool
-                meta = self._meta(bucket)
-                self._metas.append(meta)
-                self._forward(bucket, meta)  # compiles every kernel outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bucket] = self._forward(bucket, meta)
-                self.graphs[bucket] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
+        self._metas = {bucket: self._meta(bucket) for bucket in self.buckets}
+        self.graphs, self.logits = capture_each(self.buckets, self._forward, device)
         logger.info("captured %d prefill CUDA graphs (a lone fresh prompt of up to %d tokens, "
                     "buckets %s) in %.1f s", len(self.buckets), self.max_tokens,
                     ",".join(map(str, self.buckets)), time.monotonic() - started)
 
     def release(self) -> None:
         """Destroys every graph now; can_run is False after."""
-        for graph in self.graphs.values():
-            graph.reset()
-        self.graphs.clear()
-        self.logits.clear()
+        release_each(self.graphs, self.logits)
         self.max_tokens = 0
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int, num_sampled: int) -> bool:
