@@ -3,7 +3,8 @@ padded to its bucket and gives transformers' greedy tokens; every other prefill 
 from __future__ import annotations
 
 import pytest
-from helpers.checkpoints import random_prompts
+from helpers.checkpoints import build_checkpoint, random_prompts
+from helpers.mla_checkpoints import MLA_BASE, MLA_VARIANTS
 
 from tandem import LLM, SamplingParams
 
@@ -59,3 +60,33 @@ def test_prefix_hit_runs_eagerly_and_switch_turns_graphs_off(checkpoint):
               max_num_seqs=4, prefill_graph_tokens=0)
     assert off.engine.runner.prefill_graphs is None
     assert off.engine.runner.graphs is not None  # decode graphs stay on
+
+
+def test_first_chunk_of_a_longer_prompt_replays_its_graph(checkpoint):
+    """A 300-token prompt at 256 tokens a step: the fresh first chunk (no row sampled) from
+    the graph, the second over cached context eagerly; transformers' tokens."""
+    _aiter_or_skip()
+    ckpt = checkpoint("qwen3")
+    llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs.max_tokens == 256  # capped by the step's token budget
+    prompt = random_prompts([300], seed=44)[0]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8)
+    assert graphs.num_replays == 1
+
+
+def test_deepseek_v3_mla_prefill_replays_graphs_with_transformers_tokens(tmp_path):
+    """MLA's latent cache: a lone fresh prompt prefills from its graph (dense MLPs, so fp32
+    greedy parity with transformers is exact)."""
+    _aiter_or_skip()
+    variants = {"v3_dense": ("deepseek_v3", {**MLA_VARIANTS["deepseek_v3"][1],
+                                             "first_k_dense_replace": 3}, {})}
+    ckpt = build_checkpoint("v3_dense", tmp_path, variants, MLA_BASE)
+    llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, prefill_graph_tokens=256, enable_prefix_caching=False)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None
+    for prompt in random_prompts([7, 129, 256], seed=45):
+        assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8), len(prompt)
+    assert graphs.num_replays == 3

@@ -18,7 +18,8 @@ from torch import nn
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.host_to_device import as_device_tensor
-from tandem.workers.engine.prefill_graphs import PrefillGraphs, prefill_buckets
+from tandem.workers.engine.prefill_graphs import (PREFILL_GRAPH_KINDS, PrefillGraphs,
+                                                  prefill_buckets)
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.kv_cache import KVCacheOwner, kv_cache_kind_of
@@ -106,11 +107,11 @@ class ModelRunner:
                            prefill_tokens: int = 0) -> None:
         """Capture decode graphs; later decode batches up to the largest size replay them.
         prefill_tokens > 0: also prefill graphs for a lone fresh prompt of up to that many
-        tokens (prefill_graphs.py), for models with a plain K/V cache ("mha")."""
+        tokens (prefill_graphs.py), for models with a K/V or MLA latent cache."""
         self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
                                    self.device)
         buckets = prefill_buckets(prefill_tokens)
-        if buckets and kv_cache_kind(self.model) == "mha":
+        if buckets and kv_cache_kind(self.model) in PREFILL_GRAPH_KINDS:
             self.prefill_graphs = PrefillGraphs(self.model, buckets,
                                                 -(-max_model_len // self.block_size),
                                                 self.device)

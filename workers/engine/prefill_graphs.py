@@ -14,15 +14,17 @@ and every other op is row-wise; the logits row is the last real token's, picked 
 index filled before the replay. The padded rows' work is wasted, which is why the buckets
 are spaced by at most 1.5x.
 
-Taken (`can_run`) for one sequence with nothing cached (its query is all of its keys), at most
-the largest bucket's tokens, whose row is sampled: the first step of a new request with no
-prefix hit, which on a prefill worker is most steps. Anything else runs eagerly.
+Taken (`can_run`) for one sequence with nothing cached (its query is all of its keys) and at
+most the largest bucket's tokens: the first step of a new request with no prefix hit, which on
+a prefill worker is most steps, or the first chunk of a longer prompt (no row sampled: the
+graph's logits row is computed and not returned). Anything else runs eagerly.
 
 Invariants, as for the decode graphs (cuda_graphs.py): every graph reads the same static
 buffers, which `run` fills before the replay; launch shapes depend only on the bucket; the
 graphs share one memory pool and replay one at a time on the engine thread. The model runner
-captures them only for models whose attention layers keep a plain K/V cache ("mha"): the MLA
-and indexer prefill paths read host-side lengths that padding would not describe.
+captures them for models whose attention layers keep a K/V ("mha") or MLA latent ("mla")
+cache, whose fresh prefill reads only the step's own rows; not for DeepSeek-V3.2's indexer
+cache, whose top-k selection reads host-side lengths that padding would not describe.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from tandem.workers.ops.attention import AttentionMetadata
 logger = get_logger(__name__)
 
 SMALLEST_BUCKET = 128
+# The KV cache kinds (ops/kv_cache.py) whose models these graphs pad correctly.
+PREFILL_GRAPH_KINDS = ("mha", "mla")
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -96,19 +100,21 @@ class PrefillGraphs:
         self.max_tokens = 0
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int, num_sampled: int) -> bool:
-        return (num_tokens <= self.max_tokens and meta.num_seqs == 1 and num_sampled == 1
+        return (num_tokens <= self.max_tokens and meta.num_seqs == 1 and num_sampled <= 1
                 and meta.max_seq_len == num_tokens and bool(self.graphs))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [1, V] of the prompt's last token."""
+        """Logits [1, V] of the prompt's last token, or [0, V] when logits_indices is empty
+        (a chunk whose row is not sampled)."""
         tokens = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= tokens)
         self.input_ids[:tokens].copy_(input_ids)
         self.positions[:tokens].copy_(positions)
         self.slot_mapping[:tokens].copy_(meta.slot_mapping)
         self.slot_mapping[tokens:bucket].fill_(-1)
-        self.last.copy_(logits_indices)
+        if logits_indices.numel():
+            self.last.copy_(logits_indices)
         self.graphs[bucket].replay()
         self.num_replays += 1
-        return self.logits[bucket]
+        return self.logits[bucket][:logits_indices.numel()]

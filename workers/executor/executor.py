@@ -35,6 +35,7 @@ from tandem.workers.engine.kv_sizing import KVCacheSize
 from tandem.workers.engine.memory_profile import (MemoryAtStart, memory_at_start,
                                                   size_rank_kv_cache)
 from tandem.workers.engine.model_runner import ModelRunner, kv_cache_kind
+from tandem.workers.engine.prefill_graphs import PREFILL_GRAPH_KINDS
 from tandem.workers.engine.model_setup import LoadedModel, load_model
 from tandem.workers.engine.sampler import DeviceSample, Sampler, SamplerOutput
 from tandem.workers.engine.scheduler import SchedulerOutput
@@ -255,11 +256,12 @@ def decode_graphs_possible(config: EngineConfig, model: nn.Module,
 def prefill_graph_tokens(config: EngineConfig, loaded: LoadedModel, capture_sizes: list[int],
                          group: RankGroup | None) -> int:
     """The largest lone fresh prompt a prefill CUDA graph serves (prefill_graphs.py): with
-    decode graphs on one rank and a plain K/V cache, config.prefill_graph_tokens capped by
-    the largest step and max_model_len; else 0 (every prefill eager). TP ranks prefill
-    eagerly: a capture that fails for memory on one rank must not leave the ranks on different
-    paths."""
-    if not capture_sizes or group is not None or kv_cache_kind(loaded.model) != "mha":
+    decode graphs on one rank and a cache kind the graphs pad correctly, config.prefill_graph_
+    tokens capped by the largest step and max_model_len; else 0 (every prefill eager). TP
+    ranks prefill eagerly: a capture that fails for memory on one rank must not leave the
+    ranks on different paths."""
+    if not capture_sizes or group is not None \
+            or kv_cache_kind(loaded.model) not in PREFILL_GRAPH_KINDS:
         return 0
     return min(config.prefill_graph_tokens, config.max_num_batched_tokens, loaded.max_model_len)
 
