@@ -90,3 +90,28 @@ def test_deepseek_v3_mla_prefill_replays_graphs_with_transformers_tokens(tmp_pat
     for prompt in random_prompts([7, 129, 256], seed=45):
         assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8), len(prompt)
     assert graphs.num_replays == 3
+
+
+def test_next_turn_over_a_cached_prefix_replays_the_paged_graph(checkpoint):
+    """bf16: a chat's next turn (its first turn and reply cached) prefills from the graph over
+    cached context, and the tokens follow the fp32 reference wherever it is decided; the
+    graph's padded queries and zero-padded table leave the real ones and the cache intact."""
+    _aiter_or_skip()
+    from test_engine_on_gpu import _assert_greedy_where_decided
+    ckpt = checkpoint("llama")
+    llm = LLM(ckpt.path, dtype="bfloat16", device="cuda", kernels="aiter-triton",
+              max_num_seqs=4, prefill_graph_tokens=256)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs.paged
+    greedy = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    decided = []
+    for seed, (first_len, next_len) in enumerate([(100, 40), (300, 150), (64, 200)]):
+        first, more = random_prompts([first_len, next_len], seed=50 + seed)
+        reply = llm.generate([first], greedy)[0].token_ids
+        before = graphs.num_paged_replays
+        turn = first + reply + more
+        tokens = llm.generate([turn], greedy)[0].token_ids
+        assert graphs.num_paged_replays == before + 1, (first_len, next_len)
+        decided.append(_assert_greedy_where_decided(ckpt, turn, tokens))
+    assert sum(decided) >= len(decided) * 12, decided
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

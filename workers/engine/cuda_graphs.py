@@ -38,14 +38,15 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 @torch.inference_mode()
 def capture_each(sizes: list[int], forward: Callable[[int], torch.Tensor],
-                 device: torch.device) -> tuple[dict[int, torch.cuda.CUDAGraph],
-                                                dict[int, torch.Tensor]]:
+                 device: torch.device, pool: tuple | None = None
+                 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
     """One graph of forward(size) per size, largest first so that the later ones reuse its
-    memory pool; each size runs once eagerly before its capture (every kernel compiles and
-    autotunes outside it). Returns the graphs and the output tensors their replays rewrite."""
+    memory pool (`pool`, or a new one); each size runs once eagerly before its capture (every
+    kernel compiles and autotunes outside it). Returns the graphs and the output tensors their
+    replays rewrite."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
-    pool = torch.cuda.graph_pool_handle()
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -60,8 +61,7 @@ def capture_each(sizes: list[int], forward: Callable[[int], torch.Tensor],
     return graphs, outputs
 
 
-def release_each(graphs: dict[int, torch.cuda.CUDAGraph], outputs: dict[int, torch.Tensor]
-                 ) -> None:
+def release_each(graphs: dict, outputs: dict) -> None:
     """Destroys the graphs now and forgets them and their outputs."""
     for graph in graphs.values():
         graph.reset()

@@ -70,6 +70,7 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
         self.graphs: DecodeGraphs | None = None  # set by enable_cuda_graphs
         self.prefill_graphs: PrefillGraphs | None = None  # likewise
@@ -106,15 +107,18 @@ class ModelRunner:
     def enable_cuda_graphs(self, capture_sizes: list[int], max_model_len: int,
                            prefill_tokens: int = 0) -> None:
         """Capture decode graphs; later decode batches up to the largest size replay them.
-        prefill_tokens > 0: also prefill graphs for a lone fresh prompt of up to that many
-        tokens (prefill_graphs.py), for models with a K/V or MLA latent cache."""
+        prefill_tokens > 0: also prefill graphs for one prompt's step of up to that many new
+        tokens (prefill_graphs.py), for models with a K/V or MLA latent cache; over cached
+        context for a K/V cache in bf16 / fp16 only."""
         self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
                                    self.device)
         buckets = prefill_buckets(prefill_tokens)
-        if buckets and kv_cache_kind(self.model) in PREFILL_GRAPH_KINDS:
-            self.prefill_graphs = PrefillGraphs(self.model, buckets,
-                                                -(-max_model_len // self.block_size),
-                                                self.device)
+        kind = kv_cache_kind(self.model)
+        if buckets and kind in PREFILL_GRAPH_KINDS:
+            width = table_width(-(-(max_model_len + buckets[-1]) // self.block_size))
+            self.prefill_graphs = PrefillGraphs(
+                self.model, buckets, max_model_len, width, self.device,
+                paged=kind == "mha" and self.dtype in (torch.bfloat16, torch.float16))
 
     def release_cuda_graphs(self) -> None:
         """Frees the decode graphs (later decode steps run eagerly) once the GPU is done with
