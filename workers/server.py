@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run every GPU decode and prefill step eagerly")
     p.add_argument("--prefill-graph-tokens", type=int, default=2048,
-                   help="a lone fresh prompt of up to this many tokens prefills by replaying a "
-                        "CUDA graph (one rank, with decode graphs on); 0: every prefill eager")
+                   help="a step of one prompt with up to this many new tokens prefills by "
+                        "replaying a CUDA graph (one rank, with decode graphs on); 0: every "
+                        "prefill eager")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="queue decode step N+1 on the device before reading step N's tokens "
                         "(default: on for a one-rank GPU worker; --async-scheduling also on "

@@ -1,5 +1,7 @@
-"""Prefill CUDA graphs (workers/engine/prefill_graphs.py): a lone fresh prompt replays a graph
-padded to its bucket and gives transformers' greedy tokens; every other prefill runs eagerly."""
+"""Prefill CUDA graphs (workers/engine/prefill_graphs.py): a lone prompt's step replays a graph
+padded to its bucket (fresh, first chunk, MLA, over a cached prefix in bf16) and gives
+transformers' tokens; steps of several prompts, and fp32 steps over cached context, run
+eagerly."""
 from __future__ import annotations
 
 import pytest

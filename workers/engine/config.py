@@ -45,10 +45,10 @@ class EngineConfig:
     load_format: str = "auto"
     # GPU decode steps replay CUDA graphs (aiter-triton kernels); True runs every step eagerly.
     enforce_eager: bool = False
-    # With decode graphs on (one rank, a plain K/V cache): a lone fresh prompt of up to this
-    # many tokens (and max_num_batched_tokens) prefills by replaying a CUDA graph padded to a
-    # bucket (prefill_graphs.py); its launches otherwise cost more host time than its kernels
-    # take. 0 turns them off.
+    # With decode graphs on one rank: a step of one prompt with up to this many new tokens
+    # (and max_num_batched_tokens) prefills by replaying a CUDA graph padded to a bucket
+    # (prefill_graphs.py says which steps); its launches otherwise cost more host time than
+    # its kernels take. 0 turns them off.
     prefill_graph_tokens: int = 2048
     # Queue decode step N+1 on the device before reading step N's tokens (engine.py). None: on
     # for a one-rank GPU engine; True also on CPU (nothing to gain there; tests use it).

@@ -229,7 +229,7 @@ def _set_up(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart | No
         runner = LeaderRunner(runner, group)
     if capture_sizes and group is None:
         runner.enable_cuda_graphs(capture_sizes, loaded.max_model_len, prefill_tokens)
-    elif capture_sizes:  # with TP, every rank captures (LeaderRunner.enable_cuda_graphs)
+    elif capture_sizes:  # with TP, every rank captures decode graphs (LeaderRunner's)
         runner.enable_cuda_graphs(capture_sizes, loaded.max_model_len)
     if group is None:
         return OneRankExecutor(loaded, runner, resolved, config.seed)
@@ -255,11 +255,11 @@ def decode_graphs_possible(config: EngineConfig, model: nn.Module,
 
 def prefill_graph_tokens(config: EngineConfig, loaded: LoadedModel, capture_sizes: list[int],
                          group: RankGroup | None) -> int:
-    """The largest lone fresh prompt a prefill CUDA graph serves (prefill_graphs.py): with
-    decode graphs on one rank and a cache kind the graphs pad correctly, config.prefill_graph_
-    tokens capped by the largest step and max_model_len; else 0 (every prefill eager). TP
-    ranks prefill eagerly: a capture that fails for memory on one rank must not leave the
-    ranks on different paths."""
+    """The most new tokens of a one-prompt step that a prefill CUDA graph serves
+    (prefill_graphs.py): with decode graphs on one rank and a cache kind the graphs pad
+    correctly, config.prefill_graph_tokens capped by the largest step and max_model_len; else
+    0 (every prefill eager). TP ranks prefill eagerly: the followers capture what rank 0's
+    CAPTURE_GRAPHS command names, the decode sizes only."""
     if not capture_sizes or group is not None \
             or kv_cache_kind(loaded.model) not in PREFILL_GRAPH_KINDS:
         return 0
