@@ -117,3 +117,30 @@ def test_next_turn_over_a_cached_prefix_replays_the_paged_graph(checkpoint):
         decided.append(_assert_greedy_where_decided(ckpt, turn, tokens))
     assert sum(decided) >= len(decided) * 12, decided
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_a_failed_capture_leaves_prefills_eager(checkpoint, monkeypatch, caplog):
+    """An op that cannot be captured costs the speed-up only: the engine starts, says why in
+    one warning, and serves every prefill eagerly (decode graphs stay on)."""
+    _aiter_or_skip()
+    import torch
+
+    from tandem.workers.engine import prefill_graphs
+
+    forward = prefill_graphs.PrefillGraphs._forward
+
+    def refuses_capture(self, bucket, paged):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing (test)")
+        return forward(self, bucket, paged)
+
+    monkeypatch.setattr(prefill_graphs.PrefillGraphs, "_forward", refuses_capture)
+    ckpt = checkpoint("qwen3")
+    with caplog.at_level("WARNING"):
+        llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
+                  max_num_seqs=4, prefill_graph_tokens=256)
+    assert llm.engine.runner.prefill_graphs is None
+    assert llm.engine.runner.graphs is not None
+    assert "prefill CUDA graphs not captured" in caplog.text
+    prompt = random_prompts([150], seed=60)[0]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 8)

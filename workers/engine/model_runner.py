@@ -116,9 +116,18 @@ class ModelRunner:
         kind = kv_cache_kind(self.model)
         if buckets and kind in PREFILL_GRAPH_KINDS:
             width = table_width(-(-(max_model_len + buckets[-1]) // self.block_size))
-            self.prefill_graphs = PrefillGraphs(
-                self.model, buckets, max_model_len, width, self.device,
-                paged=kind == "mha" and self.dtype in (torch.bfloat16, torch.float16))
+            try:
+                self.prefill_graphs = PrefillGraphs(
+                    self.model, buckets, max_model_len, width, self.device,
+                    paged=kind == "mha" and self.dtype in (torch.bfloat16, torch.float16))
+            except RuntimeError as err:  # torch.OutOfMemoryError is one too
+                # Prefill graphs are a speed-up only: an op that cannot be captured, or a
+                # pool that does not fit, leaves prefills eager rather than the worker down.
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                first_line = (str(err).splitlines() or [""])[0][:300]
+                logger.warning("prefill CUDA graphs not captured, prefills run eagerly: %s: %s",
+                               type(err).__name__, first_line)
 
     def release_cuda_graphs(self) -> None:
         """Frees the decode graphs (later decode steps run eagerly) once the GPU is done with
