@@ -235,14 +235,18 @@ def bench_model(name: str, root: Path, limits: DeviceLimits, args) -> dict:
             if "profile" in row:
                 print(row["profile"], flush=True)
     from tandem.workers.ops.gpu import fa4_prefill
+    graphs = getattr(engine.runner, "prefill_graphs", None)
     for length in args.prefill:
         launches = fa4_prefill.num_calls
+        replays = graphs.num_replays if graphs is not None else 0
         row = bench_prefill(engine, shape, limits, length,
                             profile=args.profile and length == max(args.prefill))
-        # which attention the prompt ran (runs with and without flash-attn-4 differ)
+        # which attention the prompt ran (runs with and without flash-attn-4 differ), and
+        # whether its steps replayed a prefill CUDA graph (workers/engine/prefill_graphs.py)
         ran_fa4 = fa4_prefill.num_calls > launches
         row["attention"] = f"FlashAttention-4, {fa4_prefill.fa4_in_use(torch.device('cuda'))}" \
             if ran_fa4 else "torch SDPA"
+        row["prefill_graph"] = graphs is not None and graphs.num_replays > replays
         result["prefill"][str(length)] = row
         print(f"  {name} prefill {length}: " + json.dumps(
             {k: v for k, v in row.items() if k != "profile"}), flush=True)
@@ -286,7 +290,8 @@ def format_table(results: dict) -> str:
             lines.append(f"{name:<14} prefill {length:<10} {row['ms']:8.1f} ms "
                          f"{row['floor_ms']:6.1f} ms  {row['matmul_fraction']:.0%} of matmul "
                          f"rate ({row['TFLOPs']:.0f} TFLOP/s)"
-                         + (f", attention: {row['attention']}" if "attention" in row else ""))
+                         + (f", attention: {row['attention']}" if "attention" in row else "")
+                         + (", from a prefill CUDA graph" if row.get("prefill_graph") else ""))
         if "hf_decode_bs1" in res:
             hf = res["hf_decode_bs1"]
             lines.append(f"{name:<14} HF decode 1x{hf['context']:<6} {hf['ms']:8.2f} ms "
