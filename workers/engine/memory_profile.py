@@ -6,9 +6,9 @@
 
 On a GPU the rank measures what the device already holds, its weights, and the peak of a
 prefill of max_num_batched_tokens dummy tokens (the largest step the scheduler builds), and
-reserves room for what comes after sizing: the decode CUDA graphs' pool, the sampler's work on
-[max_num_seqs, vocab] logits, and allocations outside torch's allocator (CUDA and NCCL
-handles, kernel modules). The cache never outgrows max_num_seqs sequences of max_model_len.
+reserves room for what comes after sizing: the decode CUDA graphs' pool, the prefill graphs'
+activations (prefill_graphs.py), the sampler's work on [max_num_seqs, vocab] logits, and
+allocations outside torch's allocator (CUDA and NCCL handles, kernel modules). The cache never outgrows max_num_seqs sequences of max_model_len.
 Only this process's allocator counts as its own, so workers that start together on one GPU do
 not mistake each other's loading for their own use.
 
@@ -66,7 +66,8 @@ def memory_at_start(device: torch.device) -> MemoryAtStart | None:
 def size_rank_kv_cache(config: EngineConfig, loaded: LoadedModel, start: MemoryAtStart | None,
                        capture_sizes: list[int], prefill_graph_tokens: int = 0) -> KVCacheSize:
     """This rank's KV cache size (module docstring); capture_sizes: the decode graphs' batch
-    sizes, or [] when decode runs eagerly. Raises ValueError naming the sizes that do not fit."""
+    sizes, or [] when decode runs eagerly; prefill_graph_tokens: the prefill graphs' largest
+    bucket, 0 without them. Raises ValueError naming the sizes that do not fit."""
     bytes_per_block = kv_cache_bytes_per_block(loaded.model, config.block_size, loaded.dtype)
     if config.num_kv_blocks is not None:
         return fixed_kv_cache(config.num_kv_blocks, bytes_per_block=bytes_per_block,
