@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from helpers.checkpoints import build_checkpoint, random_prompts
-from helpers.mla_checkpoints import MLA_BASE, MLA_VARIANTS
+from helpers.mla_checkpoints import MLA_BASE
+from test_engine_on_gpu import _aiter_or_skip
 
 from tandem import LLM, SamplingParams
 
@@ -14,12 +15,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
 # Buckets 128, 192, 256; 300 runs eagerly, and a one-token prompt is a decode-shaped step
 # (the decode graphs take it).
 LENGTHS = [1, 7, 100, 128, 129, 193, 256, 300]
-
-
-def _aiter_or_skip():
-    from tandem.workers.ops.aiter_compat import aiter_available
-    if not aiter_available():
-        pytest.skip("amd-aiter is not installed")
 
 
 @pytest.mark.parametrize("fixture, name", [("checkpoint", "qwen3"),
@@ -82,9 +77,8 @@ def test_deepseek_v3_mla_prefill_replays_graphs_with_transformers_tokens(tmp_pat
     """MLA's latent cache: a lone fresh prompt prefills from its graph (dense MLPs, so fp32
     greedy parity with transformers is exact)."""
     _aiter_or_skip()
-    variants = {"v3_dense": ("deepseek_v3", {**MLA_VARIANTS["deepseek_v3"][1],
-                                             "first_k_dense_replace": 3}, {})}
-    ckpt = build_checkpoint("v3_dense", tmp_path, variants, MLA_BASE)
+    from test_mla_gpu import DENSE_V3  # its module skips itself without a GPU and amd-aiter
+    ckpt = build_checkpoint("deepseek_v3_dense", tmp_path, DENSE_V3, MLA_BASE)
     llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton",
               max_num_seqs=4, prefill_graph_tokens=256, enable_prefix_caching=False)
     graphs = llm.engine.runner.prefill_graphs

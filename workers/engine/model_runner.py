@@ -18,8 +18,7 @@ from torch import nn
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.host_to_device import as_device_tensor
-from tandem.workers.engine.prefill_graphs import (PREFILL_GRAPH_KINDS, PrefillGraphs,
-                                                  prefill_buckets)
+from tandem.workers.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.ops.kv_cache import KVCacheOwner, kv_cache_kind_of
@@ -108,13 +107,13 @@ class ModelRunner:
                            prefill_tokens: int = 0) -> None:
         """Capture decode graphs; later decode batches up to the largest size replay them.
         prefill_tokens > 0: also prefill graphs for one prompt's step of up to that many new
-        tokens (prefill_graphs.py), for models with a K/V or MLA latent cache; over cached
-        context for a K/V cache in bf16 / fp16 only."""
+        tokens (prefill_graphs.py; executor.prefill_graph_tokens decides which models take
+        them); over cached context for a K/V cache in bf16 / fp16 only."""
         self.graphs = DecodeGraphs(self.model, capture_sizes, max_model_len, self.block_size,
                                    self.device)
         buckets = prefill_buckets(prefill_tokens)
-        kind = kv_cache_kind(self.model)
-        if buckets and kind in PREFILL_GRAPH_KINDS:
+        if buckets:
+            kind = kv_cache_kind(self.model)
             width = table_width(-(-(max_model_len + buckets[-1]) // self.block_size))
             try:
                 self.prefill_graphs = PrefillGraphs(

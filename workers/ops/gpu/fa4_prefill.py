@@ -109,13 +109,12 @@ def _call(form: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     layout that ran once raises as any kernel does."""
     global num_calls
     layout = _layout(form, q, k)
-    if layout in _ran:
-        num_calls += 1
-        return _forward()(q, k, v, **kwargs)[0]  # the output; the log-sum-exp is not asked for
     try:
-        out = _forward()(q, k, v, **kwargs)[0]
-    except Exception as error:  # its compile or argument checks refused this layout
-        _refused.add(layout)
+        out = _forward()(q, k, v, **kwargs)[0]  # the output; the log-sum-exp is not asked for
+    except Exception as error:
+        if layout in _ran:
+            raise
+        _refused.add(layout)  # its compile or argument checks refused this layout
         logger.warning("FlashAttention-4 does not run %s prefills of %d query / %d KV heads "
                        "of %d in %s (%s: %s); they stay on the default attention kernels",
                        form, layout[3], layout[4], layout[2], layout[1], type(error).__name__,
