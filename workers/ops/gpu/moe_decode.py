@@ -55,6 +55,10 @@ ROUTE_TILE = 2048
 SUM_BLOCK_N = 256
 # fp32 sum values one gate_up program zeroes per store.
 ZERO_BLOCK = 1024
+# Rows of each down program's weight slab loaded before its PDL wait at decode's smallest
+# batches (default_config): 256 of Qwen3-30B-A3B's 768 measured best on an H100; more held in
+# registers slows the step (bench/RESULTS.md).
+DOWN_PRE_K = 256
 
 
 @triton.jit
@@ -215,24 +219,41 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
                  stride_act, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BY_PAIR: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+                 PRE_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (act[pair] . w[e, n]) for the expert e of program_id(0)
     (_program_expert), the pairs that chose it (listed in sorted by the gate_up kernel), and
     BLOCK_N of the N (hidden) columns. With ACCUMULATE, out is the fp32 [T, N] sum instead:
-    that value, rounded to the activation dtype, is atomically added to out[pair's token]."""
-    wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
-    expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
-    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
+    that value, rounded to the activation dtype, is atomically added to out[pair's token].
+
+    PRE_K > 0: the program finds its expert and loads the first PRE_K rows of its weight slab
+    before the PDL wait, so that part of the down weights streams while the gate_up kernel
+    runs. The ids it reads then come from the route kernel (or the caller), which finished,
+    its writes visible, before the gate_up kernel passed its own wait and let this kernel
+    launch; the pair list and act, which gate_up writes, are read only after the wait."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    if PRE_K == 0:
+        wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
+    expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
+    count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    offs_pre = tl.arange(0, PRE_K if PRE_K > 0 else 16)
+    if PRE_K > 0:
+        rows_pre = K * tl.minimum(count, 1)  # nothing for a program whose expert is not run
+        w_pre = tl.load(w_rows + offs_pre[:, None],
+                        mask=(offs_pre < rows_pre)[:, None] & mask_n[None, :], other=0.0)
+        wait_for_previous_kernel(USE_PDL)  # act and the pair list come from the gate_up kernel
     for m0 in range(0, count, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < count
         pairs = tl.load(sorted_ptr + expert * num_pairs + offs_m, mask=mask_m, other=0)
         a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_act
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if PRE_K > 0:
+            a_pre = tl.load(a_rows + offs_pre[None, :],
+                            mask=mask_m[:, None] & (offs_pre < K)[None, :], other=0.0)
+            acc = tl.dot(a_pre, w_pre, acc, input_precision=DOT_PRECISION)
+        for k0 in range(PRE_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             a = tl.load(a_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
@@ -279,7 +300,8 @@ def default_config(num_pairs: int) -> dict[str, int]:
     percent of each other; 16-row blocks since decode experts see a handful of tokens each)."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
     return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
-            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages}
+            "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
+            "down_pre_k": DOWN_PRE_K if num_pairs <= 16 else 0}
 
 
 def fits(num_tokens: int, top_k: int) -> bool:
@@ -399,7 +421,7 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), TOP_K=top_k,
         BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"],
         BLOCK_K=cfg["down_block_k"], BY_PAIR=by_pair, ACCUMULATE=fp32_sum,
-        DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+        PRE_K=cfg.get("down_pre_k", 0), DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     if fp32_sum:
         return pair_out
