@@ -421,8 +421,8 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), TOP_K=top_k,
         BLOCK_P=block_p, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["down_block_n"],
         BLOCK_K=cfg["down_block_k"], BY_PAIR=by_pair, ACCUMULATE=fp32_sum,
-        PRE_K=cfg.get("down_pre_k", 0), DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        PRE_K=cfg.get("down_pre_k", 0), DOT_PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if fp32_sum:
         return pair_out
     if terms:
