@@ -30,7 +30,9 @@ programs runs each distinct expert), so the step is bound by the distinct expert
 Nothing is sorted: an expert's program finds its own pairs. Every size the grid depends on is
 known on the host from the token count, so a call captures in a CUDA graph. Each launch uses
 programmatic dependent launch where it is on (pdl.py): a kernel starts while the previous one
-drains and waits for it before its first read of anything a kernel wrote.
+drains and waits for it before its first read of anything that kernel wrote. At the smallest
+batches the down kernel finds its expert and loads part of its weights before that wait
+(DOWN_PRE_K), reading only the gate_up kernel's inputs.
 
 Numerics: fp32 accumulation; gate and up are rounded to the activation dtype before
 silu(gate) * up, as the unfused path stores them; each weighted expert output is rounded to the

@@ -9,7 +9,10 @@ reads anything an earlier kernel wrote and before it writes anything at all. Wor
 on neither (loading weights, which no kernel writes) may come before the wait.
 
 Invariant kept by every kernel taking USE_PDL: no global store and no load of activations,
-KV cache or partial results happens before `wait_for_previous_kernel(USE_PDL)`.
+KV cache or partial results happens before `wait_for_previous_kernel(USE_PDL)`, except loads of
+the previous kernel's own inputs: that kernel launched this one only after its wait, so those
+were complete and visible before this one started (moe_decode's down kernel reads the routing
+that the gate_up kernel before it reads).
 Disabled on ROCm, before sm90, under TRITON_INTERPRET, and with KernelOptions.pdl off
 (TANDEM_PDL=0; ops/kernel_options.py).
 """
