@@ -8,7 +8,8 @@ On a GPU the rank measures what the device already holds, its weights, and the p
 prefill of max_num_batched_tokens dummy tokens (the largest step the scheduler builds), and
 reserves room for what comes after sizing: the decode CUDA graphs' pool, the prefill graphs'
 activations (prefill_graphs.py), the sampler's work on [max_num_seqs, vocab] logits, and
-allocations outside torch's allocator (CUDA and NCCL handles, kernel modules). The cache never outgrows max_num_seqs sequences of max_model_len.
+allocations outside torch's allocator (CUDA and NCCL handles, kernel modules). The cache never
+outgrows max_num_seqs sequences of max_model_len.
 Only this process's allocator counts as its own, so workers that start together on one GPU do
 not mistake each other's loading for their own use.
 

@@ -239,8 +239,8 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, num_
     expert, runs = _program_expert(ids_ptr, BY_PAIR, BLOCK_P)
     count = _pairs_of_expert(ids_ptr, num_pairs, expert, sorted_ptr, False, BLOCK_P) * runs
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-    offs_pre = tl.arange(0, PRE_K if PRE_K > 0 else 16)
     if PRE_K > 0:
+        offs_pre = tl.arange(0, PRE_K)
         rows_pre = K * tl.minimum(count, 1)  # nothing for a program whose expert is not run
         w_pre = tl.load(w_rows + offs_pre[:, None],
                         mask=(offs_pre < rows_pre)[:, None] & mask_n[None, :], other=0.0)
