@@ -150,3 +150,111 @@ def test_chained_calls_read_the_previous_output():
         graph.replay()
         assert rel(first, ref_first) <= 1e-2
         assert rel(second, ref_second) <= 1e-2
+
+
+def _torch_norm_and_rope(x, weight, eps, rope, positions):
+    """The reference of the fused QK norm + RoPE: norm.RMSNorm's rounding, then the torch
+    RotaryEmbedding (one of q / k; the other argument is a dummy)."""
+    if weight is not None:
+        x32 = x.float()
+        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rope(positions, x, x[:, :1].clone())[0]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("stages", [1, 3, None])
+@pytest.mark.parametrize("neox, norm, dtype, heads, kv_heads", [
+    (True, True, torch.bfloat16, 32, 4), (True, False, torch.bfloat16, 16, 8),
+    (False, True, torch.float16, 16, 2), (False, False, torch.bfloat16, 8, 8)])
+def test_new_keys_normed_rotated_and_cached_in_the_launch(neox, norm, dtype, heads, kv_heads,
+                                                          stages, padded):
+    """NewKeys: q raw, the new K / V rows raw; the launch norms and rotates both, writes the
+    rows to their slots (nothing else in the caches changes; a padding row with slot -1 and a
+    zero table row writes nothing), and attends with them, as the two-launch pair (the Triton
+    RoPE + KV write, then this kernel) and the torch reference do. Few stages put the newest
+    block among the refills; sequences end on block boundaries and just past them."""
+    from tandem.workers.ops.backend import KernelBackend
+    from tandem.workers.ops.gpu.block_decode import NewKeys, new_keys_reason
+    from tandem.workers.ops.gpu.rope import rope_and_write_kv
+    from tandem.workers.ops.rotary import RotaryEmbedding
+    lens = [1, 16, 17, 64, 700, 2049, 1]
+    k_cache, v_cache, meta, gen = paged_case(lens, [1] * len(lens), kv_heads, 128, 16, dtype,
+                                             seed=heads + 2 * kv_heads + int(neox) + 4 * int(norm))
+    meta.slot_mapping[-1] = -1  # a CUDA graph's padding row (graph_inputs.py)
+    meta.block_tables[-1].zero_()
+    positions = meta.seq_lens.long() - 1
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = RotaryEmbedding(128, 4096, params, backend=KernelBackend.AITER_TRITON,
+                           is_neox_style=neox).to(DEV)
+    torch_rope = RotaryEmbedding(128, 4096, params, is_neox_style=neox).to(DEV)
+    n = len(lens)
+    q, k, v = (torch.randn(n, h, 128, generator=gen, device=DEV).to(dtype)
+               for h in (heads, kv_heads, kv_heads))
+    qk_norm = None
+    if norm:
+        qk_norm = tuple(torch.rand(128, generator=gen, device=DEV).add(0.5).to(dtype)
+                        for _ in range(2)) + (1e-6,)
+    new = NewKeys(k, v, positions, meta.slot_mapping, rope.cos, rope.sin, neox, qk_norm)
+    assert new_keys_reason(q, new) is None
+    splits = 8
+    before = (k_cache.clone(), v_cache.clone())
+    out = block_decode_attention(q.clone(), k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                 SCALE, num_splits=splits, stages=stages, padded=padded,
+                                 new_keys=new)
+
+    pair_k, pair_v = (c.clone() for c in before)
+    q2, k2 = q.clone(), k.clone()
+    rope_and_write_kv(positions, q2, k2, v, rope.cos, rope.sin, neox, pair_k, pair_v,
+                      meta.slot_mapping, qk_norm)
+    pair = block_decode_attention(q2, pair_k, pair_v, meta.block_tables, meta.seq_lens, SCALE,
+                                  num_splits=splits, stages=stages, padded=padded)
+    real = slice(0, n - 1)  # the padding row's output is dropped by the engine
+    torch.testing.assert_close(k_cache, pair_k, rtol=1e-2, atol=1e-2, equal_nan=True)
+    torch.testing.assert_close(v_cache, pair_v, rtol=0, atol=0, equal_nan=True)
+    assert rel(out[real], pair[real]) <= 2e-3
+
+    weights = qk_norm[:2] if norm else (None, None)
+    ref_q = _torch_norm_and_rope(q, weights[0], 1e-6, torch_rope, positions)
+    ref_k = _torch_norm_and_rope(k, weights[1], 1e-6, torch_rope, positions)
+    slots = meta.slot_mapping[real]
+    cached = k_cache.view(-1, kv_heads, 128)[slots]
+    assert rel(cached, ref_k[real]) <= 1e-2
+    assert torch.equal(v_cache.view(-1, kv_heads, 128)[slots], v[real])
+    ref_k_cache, ref_v_cache = (c.clone() for c in before)
+    write_kv_cache(ref_k[real], v[real], ref_k_cache, ref_v_cache, slots)
+    ref = paged_attention_torch(ref_q[real], ref_k_cache, ref_v_cache, _first_rows(meta, n - 1),
+                                SCALE)
+    assert rel(out[real], ref) <= 1e-2
+
+    untouched = torch.ones(k_cache.shape[0] * 16, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    for after, old in zip((k_cache, v_cache), before):
+        torch.testing.assert_close(after.view(-1, kv_heads, 128)[untouched],
+                                   old.view(-1, kv_heads, 128)[untouched], rtol=0, atol=0,
+                                   equal_nan=True)
+
+
+def _first_rows(meta, rows):
+    """The metadata of a decode step's first `rows` sequences."""
+    from tests.helpers.gpu_paged import paged_metadata
+    tables = [t.tolist() for t in meta.block_tables[:rows]]
+    return paged_metadata(meta.slot_mapping[:rows].tolist(), list(range(rows + 1)),
+                          meta.seq_lens_host[:rows], tables, 1)
+
+
+def test_new_keys_refused_where_the_launch_cannot_take_them():
+    from tandem.workers.ops.gpu.block_decode import NewKeys, new_keys_reason
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16, device=DEV)
+    k = torch.zeros(2, 4, 128, dtype=torch.bfloat16, device=DEV)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEV)
+    cos = torch.zeros(64, 64, device=DEV)
+    assert new_keys_reason(q, NewKeys(k, k, pos, pos, cos, cos, True)) is None
+    assert "full rotary" in new_keys_reason(q, NewKeys(k, k, pos, pos, cos[:, :32],
+                                                       cos[:, :32], True))
+    assert "int64" in new_keys_reason(q, NewKeys(k, k, pos.int(), pos, cos, cos, True))
+    assert "dtype" in new_keys_reason(q, NewKeys(k.half(), k, pos, pos, cos, cos, True))
+    assert "fp32" in new_keys_reason(q, NewKeys(k, k, pos, pos, cos.double(), cos.double(),
+                                                True))
+    weight = torch.ones(128, dtype=torch.float32, device=DEV)
+    assert "QK-norm" in new_keys_reason(q, NewKeys(k, k, pos, pos, cos, cos, True,
+                                                   (weight, weight, 1e-6)))

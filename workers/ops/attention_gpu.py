@@ -21,6 +21,9 @@ Triton flash attention on NVIDIA GPUs, and on Hopper FlashAttention-4 beats both
 applies (fa4_prefill.py); unified_attention reads a paged context for prefills that continue
 earlier chunks wherever FA4 does not. bench/engine.py re-measures these choices;
 the latest numbers are on bench/RESULTS.md.
+A decode step on the whole-block kernel with full rotary applies its QK norm, RoPE and KV write
+in that kernel's launch (block_decode.NewKeys); every other step runs gpu/rope.py's RoPE + KV
+write launch first.
 In float32 (a test dtype), prefills with cached context use the torch reference instead of
 unified_attention, whose tl.dot rounds fp32 to tf32.
 
@@ -40,7 +43,7 @@ from tandem.workers.ops.aiter_compat import load_aiter_triton
 from tandem.workers.ops.backend import KernelBackend
 from tandem.common.logging import get_logger
 from tandem.workers.ops.gpu.block_decode import (
-    block_decode_attention, block_splits_for, layout_reason)
+    NewKeys, block_decode_attention, block_splits_for, layout_reason, new_keys_reason)
 from tandem.workers.ops.gpu.device_info import num_sms
 from tandem.workers.ops.gpu.fa4_prefill import (
     fa4_paged_prefill_attention, fa4_prefill_attention, fa4_takes_fresh, fa4_takes_paged)
@@ -54,6 +57,9 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BLOCK_DECODE_MAX_SEQS = 8  # above it the Triton split-KV kernel (see the module docstring)
+# A decode step on the whole-block kernel applies its QK norm, RoPE and KV write inside that
+# kernel (block_decode.NewKeys) rather than in rope_and_write_kv's launch before it.
+ROPE_IN_BLOCK_DECODE = True
 
 
 @functools.cache
@@ -73,6 +79,12 @@ def attention_forward_gpu(layer: Attention, q: torch.Tensor, k: torch.Tensor, v:
     fused_norm = _fused_qk_norm(q, rotary, qk_norm) if in_kv_write else None
     if qk_norm is not None and fused_norm is None:
         q, k = qk_norm[0](q), qk_norm[1](k)
+    if in_kv_write and meta.max_query_len == 1:
+        new = _new_keys_in_block_decode(q, k, v, layer, meta, rope, fused_norm)
+        if new is not None:
+            return decode_attention(q, layer.k_cache, layer.v_cache, meta, layer.scale,
+                                    sliding_window=layer.sliding_window, sinks=layer.sinks,
+                                    new_keys=new)
     if in_kv_write:
         rope_and_write_kv(rope[1], q, k, v, rotary.cos, rotary.sin, rotary.is_neox_style,
                           layer.k_cache, layer.v_cache, meta.slot_mapping, fused_norm)
@@ -137,20 +149,37 @@ def _block_decode_reason(*layout) -> str | None:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, *,
                      sliding_window: int | None = None,
-                     sinks: torch.Tensor | None = None, kernel: str | None = None
-                     ) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, kernel: str | None = None,
+                     new_keys: NewKeys | None = None) -> torch.Tensor:
     """One query token per sequence, through whichever kernel serves this batch faster
     (kernel: "blocks" or "triton" to pick one, for benchmarks), with the engine's split rule
-    (max_seq_len, the longest context a captured graph serves)."""
+    (max_seq_len, the longest context a captured graph serves). new_keys: q is raw and the
+    whole-block kernel (which the caller has checked serves this batch) norms, rotates and
+    caches the step's keys itself."""
     num_seqs, sms = q.shape[0], num_sms(q.device)
-    if kernel == "blocks" or (kernel is None and use_block_decode(q, k_cache, v_cache)):
+    if kernel == "blocks" or new_keys is not None \
+            or (kernel is None and use_block_decode(q, k_cache, v_cache)):
         splits = block_splits_for(num_seqs, meta.max_seq_len, k_cache.shape[1], sms)
         return block_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                       scale, num_splits=splits, sliding_window=sliding_window,
-                                      sinks=sinks)
+                                      sinks=sinks, new_keys=new_keys)
     splits = num_splits_for(num_seqs, k_cache.shape[2], meta.max_seq_len, sms)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                   num_splits=splits, sliding_window=sliding_window, sinks=sinks)
+
+
+def _new_keys_in_block_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              layer: Attention, meta: AttentionMetadata, rope: tuple,
+                              fused_norm: tuple | None) -> NewKeys | None:
+    """The step's new keys for the whole-block kernel to norm, rotate and cache itself, or
+    None where that kernel does not run this batch or cannot take them (partial rotary, a
+    QK norm the modules already applied is fine: fused_norm is then None)."""
+    if not ROPE_IN_BLOCK_DECODE or not use_block_decode(q, layer.k_cache, layer.v_cache):
+        return None
+    rotary = rope[0]
+    new = NewKeys(k, v, rope[1], meta.slot_mapping, rotary.cos, rotary.sin,
+                  rotary.is_neox_style, fused_norm)
+    return new if new_keys_reason(q, new) is None else None
 
 
 def _fused_qk_norm(q: torch.Tensor, rotary, qk_norm: tuple | None) -> tuple | None:

@@ -1,10 +1,13 @@
 """Batch-1 decode on aiter-triton: the projections as fused GEMV kernels.
 
-A dense decoder layer at MAX_ROWS token(s) runs as seven launches instead of about thirteen
+A dense decoder layer at MAX_ROWS token(s) runs as six launches instead of about thirteen
 (workers/ops/gpu/decode_gemv.py says what is fused and why):
 
-    [add + rms_norm + qkv] [rope + KV write] [attention splits] [combine] [o_proj]
+    [add + rms_norm + qkv] [rope + KV write + attention splits] [combine] [o_proj]
     [add + rms_norm + gate_up + silu*mul] [down]
+
+(RoPE and the KV write run in the whole-block attention kernel's launch where it takes them,
+ops/attention_gpu.py; otherwise in a launch of their own before the attention.)
 
 This module holds only the decision and the calls; it imports no Triton until a kernel runs, so
 CPU installs (no triton) can import the models.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +42,60 @@ class _Params(ctypes.Structure):
                  "table_stride")] + \
                [(name, ctypes.c_int32) for name in
                 ("table_width", "block_size", "sliding_window", "stages", "padded")] + \
-               [("scale", ctypes.c_float), ("trace", ctypes.c_void_p)]
+               [("scale", ctypes.c_float), ("trace", ctypes.c_void_p)] + \
+               [(name, ctypes.c_void_p) for name in
+                ("k_new", "v_new", "positions", "slot_mapping", "cos", "sin", "q_norm",
+                 "k_norm")] + \
+               [(name, ctypes.c_int64) for name in
+                ("k_new_stride_tok", "k_new_stride_head", "v_new_stride_tok",
+                 "v_new_stride_head", "rope_stride")] + \
+               [("rope", ctypes.c_int32), ("norm_eps", ctypes.c_float)]
+
+
+_ROPE_STYLES = {True: 1, False: 2}  # is_neox_style -> RopeStyle in cuda/decode_rope.cuh
+
+
+@dataclass(frozen=True)
+class NewKeys:
+    """A decode step's new keys for block_decode_attention to norm, rotate and cache itself
+    (cuda/decode_rope.cuh), in place of rope.rope_and_write_kv before it: q is then the qkv
+    projection's raw output. k, v [B, KVH, 128] raw; positions and slot_mapping [B] int64
+    (slot < 0: a padding row, not cached); cos / sin [max_position, 64] fp32 (rotary tables,
+    full rotary only); qk_norm (q weight [128], k weight [128], eps) or None."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    is_neox_style: bool
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+
+def new_keys_reason(q: torch.Tensor, new: NewKeys) -> str | None:
+    """None if block_decode_attention can take `new` with these q, else why not (the caller
+    then runs rope_and_write_kv first)."""
+    if tuple(new.cos.shape[1:]) != (HEAD_DIM // 2,) or new.sin.shape != new.cos.shape:
+        return f"needs full rotary over {HEAD_DIM} dims, got cos {tuple(new.cos.shape)}"
+    if new.cos.dtype != torch.float32 or new.sin.dtype != torch.float32 \
+            or new.cos.stride(1) != 1 or new.sin.stride() != new.cos.stride():
+        return "needs fp32 cos / sin tables with contiguous rows of one stride"
+    if new.positions.dtype != torch.int64 or new.slot_mapping.dtype != torch.int64 \
+            or new.positions.stride(0) != 1 or new.slot_mapping.stride(0) != 1:
+        return "needs contiguous int64 positions and slots"
+    for x in (new.k, new.v):
+        if x.dtype != q.dtype or x.shape[0] != q.shape[0] or x.shape[2] != HEAD_DIM \
+                or x.stride(2) != 1 or x.stride(0) % 8 or x.stride(1) % 8 \
+                or x.data_ptr() % 16:
+            return "needs new K / V rows in q's dtype, 16-byte aligned, head_dim contiguous"
+    if new.qk_norm is not None:
+        q_weight, k_weight, _ = new.qk_norm
+        if any(w.shape != (HEAD_DIM,) or w.dtype != q.dtype or w.stride(0) != 1
+               for w in (q_weight, k_weight)):
+            return "needs contiguous [128] QK-norm weights in q's dtype"
+    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        return "needs 16-byte aligned q rows"
+    return None
 
 
 class _CombineParams(ctypes.Structure):
@@ -126,15 +180,17 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sliding_window: int | None = None,
                            sinks: torch.Tensor | None = None,
                            stages: int | None = None, padded: bool | None = None,
-                           trace: tuple[torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor:
+                           trace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           new_keys: NewKeys | None = None) -> torch.Tensor:
     """Same contract as paged_decode.paged_decode_attention (q [B, H, 128] -> out [B, H, 128]);
     the caller checks `block_decode_supported` first. stages: block buffers per CTA (default:
     as many as fit SHARED_BUDGET, at most MAX_STAGES). padded: slots at padded pitches, one
     copy each (conflict-free operand loads) or one copy per block (default: padded from
     PADDED_SPLITS splits up). trace: int64 tensors
     [num_seqs * num_splits, 5] and [num_seqs * num_heads * 4, 5] the kernels fill with
-    %globaltimer stamps (bench/probes/block_decode.py --timeline)."""
+    %globaltimer stamps (bench/probes/block_decode.py --timeline). new_keys: q is raw and
+    this launch also applies the step's QK norm and RoPE and writes its new K / V to the
+    caches (NewKeys; the caller checks `new_keys_reason` first)."""
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"block decode attention unavailable: {library}")
@@ -162,7 +218,7 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
         q.stride(0), q.stride(1), k_cache.stride(0), v_cache.stride(0), block_tables.stride(0),
         block_tables.shape[1], block_size, sliding_window or 0, stages, int(padded), scale,
-        trace[0].data_ptr() if trace is not None else None)
+        trace[0].data_ptr() if trace is not None else None, *_new_key_fields(new_keys))
     combine = _CombineParams(
         part_out.data_ptr(), part_lse.data_ptr(), sinks.data_ptr() if sinks is not None else None,
         out.data_ptr(), out.stride(0), out.stride(1), num_splits,
@@ -176,3 +232,15 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(f"block decode attention launch failed: status {status}")
     return out
 
+
+
+def _new_key_fields(new: NewKeys | None) -> tuple:
+    """_Params' RoPE fields, from `k_new` on: zeros and rope 0 (kRopeNone) without new_keys."""
+    if new is None:
+        return (None,) * 8 + (0,) * 5 + (0, 0.0)
+    q_weight, k_weight, eps = new.qk_norm if new.qk_norm is not None else (None, None, 0.0)
+    pointers = [t.data_ptr() if t is not None else None for t in
+                (new.k, new.v, new.positions, new.slot_mapping, new.cos, new.sin, q_weight,
+                 k_weight)]
+    return (*pointers, new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1),
+            new.cos.stride(0), _ROPE_STYLES[new.is_neox_style], eps)

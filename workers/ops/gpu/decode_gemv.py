@@ -10,7 +10,7 @@ model's step on an H100 or H200. One kernel here does
     y         = h W^T                                   (always)
     act       = silu(y[:I]) * y[I:]                     (SILU_MUL: W = [gate | up], I rows each)
 
-so a layer runs [add+norm+qkv] [rope+KV write] [attention] [o_proj] [add+norm+gate_up+silu]
+so a layer runs [add+norm+qkv] [rope+KV write+attention] [o_proj] [add+norm+gate_up+silu]
 [down] (a mixture-of-experts layer: [add+norm+router, h kept for the experts] [experts...]),
 each launched with PDL (pdl.py): the first weight tile is requested before waiting for
 the previous kernel, so the weight stream starts while that kernel finishes.

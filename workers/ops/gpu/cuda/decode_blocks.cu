@@ -30,11 +30,18 @@
 // Output per (sequence, query head, split): o = sum p v / sum p [128] fp32 and
 // lse = log sum exp(score) (natural log), which the combine reads; an empty split writes
 // lse = -inf and o = 0.
-// PDL: the producer requests the first `stages` blocks before griddepcontrol.wait, except
-// the newest key's slot (invariant, as in paged_decode.py: a decode step's KV write touches
-// only each sequence's newest row); each attending warp loads its head's row of that slot
-// with plain loads after its wait, rather than queueing it behind the TMA's backlog. q, every
-// refill and every store come after the wait too.
+// The newest key's slot is never copied: the attending warps of the CTA whose run holds it
+// load its K / V rows with plain loads after their PDL wait (rather than queueing them behind
+// the TMA's backlog) and put them into the buffer once the block's other slots have landed.
+// Those rows come either from the cache, where a RoPE + KV-write kernel put them, or (Params
+// `rope`) from the qkv projection's output: this launch then normalises and rotates q and
+// the new K itself and writes the new rows to the cache (decode_rope.cuh), one launch fewer
+// per decode layer.
+// PDL: the producer requests the first `stages` blocks before griddepcontrol.wait (invariant,
+// as in paged_decode.py: a decode step's KV write touches only each sequence's newest row,
+// which no copy reads); q, the newest rows, every refill and every store come after the wait.
+// The step's positions, slots, tables and the RoPE tables are read before it (written before
+// the step's first kernel).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -42,6 +49,7 @@
 
 #include "decode_combine.cuh"
 #include "decode_mma.cuh"
+#include "decode_rope.cuh"
 
 namespace {
 
@@ -119,6 +127,23 @@ struct Params {  // mirrored by block_decode.py's ctypes structure: keep the ord
   // %globaltimer (ns) at entry, copies issued, PDL wait returned, last block landed, partials
   // stored.
   uint64_t* trace;
+  // rope != kRopeNone: this launch also does the step's QK norm (with q_norm / k_norm), RoPE
+  // and KV write (decode_rope.cuh), so q is the projection's raw output and the new K / V
+  // rows are k_new / v_new [num_seqs, KV, 128]; the CTA holding a sequence's newest slot
+  // writes them (K rotated) to the cache at slot_mapping[seq] (none for a padding row,
+  // slot < 0). kRopeNone: q is rotated and the new rows are in the cache already.
+  const void* k_new;
+  const void* v_new;
+  const int64_t* positions;     // [num_seqs]
+  const int64_t* slot_mapping;  // [num_seqs]
+  const float* cos;             // [max_position, 64] fp32, rows rope_stride apart
+  const float* sin;
+  const void* q_norm;  // [128] per-head RMSNorm weights of q, or null (no QK norm)
+  const void* k_norm;
+  int64_t k_new_stride_tok, k_new_stride_head, v_new_stride_tok, v_new_stride_head;
+  int64_t rope_stride;
+  int32_t rope;  // RopeStyle
+  float norm_eps;
 };
 
 template <int KV>
@@ -162,19 +187,17 @@ struct BlockRun {
     return k_slots(i) + p.block_size * k_pitch;
   }
 
-  // The run index of the block holding the newest key when it is one of the first `prefill`
-  // (whose copies go out before the PDL wait, without that key's slot), else -1.
-  __device__ __forceinline__ int newest_in_prefill(int prefill) const {
+  // The run index of the block holding the newest key, or -1 when another CTA's run holds it.
+  __device__ __forceinline__ int newest_index() const {
     if (seq_len == 0) return -1;
     const int offset = (seq_len - 1) / p.block_size - first_block - split;
-    const int i = offset / num_splits;
-    return offset >= 0 && offset % num_splits == 0 && i < prefill ? i : -1;
+    return offset >= 0 && offset % num_splits == 0 ? offset / num_splits : -1;
   }
 
   // The producer warp: block i of the run (cache block `id`) into its buffer. Zeroes the
-  // slots past the sequence, arms the buffer's barrier, then copies every slot before them,
-  // except the newest key's when `skip_newest` (the attending warps load it after the wait).
-  __device__ __forceinline__ void issue(int i, int64_t id, int lane, bool skip_newest) const {
+  // slots past the sequence, arms the buffer's barrier, then copies every slot before them
+  // except the newest key's, which the attending warps put in themselves (put_newest).
+  __device__ __forceinline__ void issue(int i, int64_t id, int lane) const {
     uint64_t* bar = &full[i % p.stages];
     const int base = block(i) * p.block_size;
     const int valid = min(max(seq_len - base, 0), p.block_size);
@@ -185,7 +208,7 @@ struct BlockRun {
       *reinterpret_cast<uint4*>(v_slots(i) + slot * v_pitch + offset) = make_uint4(0, 0, 0, 0);
     }
     const bool holds_newest = valid > 0 && base + valid == seq_len;
-    const int to = skip_newest && holds_newest ? valid - 1 : valid;  // slots to copy
+    const int to = holds_newest ? valid - 1 : valid;  // slots to copy
     __syncwarp();
     if (lane == 0) barrier_expect(bar, to * 2 * L::kSlotBytes);
     __syncwarp();
@@ -204,16 +227,44 @@ struct BlockRun {
     }
   }
 
-  // An attending warp: its KV head's row of the newest key (block i of the run, cache block
-  // `id`) into the buffer, through plain loads after the PDL wait (the copies of the rest of
-  // the block are queued on the TMA engine ahead of anything issued now).
-  __device__ __forceinline__ void load_newest(int i, int64_t id, int head, int lane) const {
-    const int slot = seq_len - 1 - block(i) * p.block_size;
+  // An attending warp's slice of its KV head's newest K / V rows (lanes 0..15 K, 16..31 V,
+  // 16 bytes each), loaded after the PDL wait: without RoPE here, from the cache (block i of
+  // the run, cache block `id`), where the previous kernel wrote them; with it, this step's raw
+  // k_new / v_new rows, for cache_newest.
+  __device__ __forceinline__ uint4 load_newest(int i, int64_t id, int seq, int head,
+                                               int lane) const {
+    const int part = lane % 16;
+    if (p.rope == kRopeNone) {
+      const int in_block = seq_len - 1 - block(i) * p.block_size;
+      const int64_t stride = lane < 16 ? p.k_stride_block : p.v_stride_block;
+      const char* cache = static_cast<const char*>(lane < 16 ? p.k_cache : p.v_cache);
+      return __ldcg(reinterpret_cast<const uint4*>(
+          cache + (id * stride * sizeof(T) + in_block * L::kSlotBytes + head * kRowBytes) +
+          part * 16));
+    }
+    const T* src = lane < 16
+        ? static_cast<const T*>(p.k_new) + seq * p.k_new_stride_tok + head * p.k_new_stride_head
+        : static_cast<const T*>(p.v_new) + seq * p.v_new_stride_tok + head * p.v_new_stride_head;
+    return __ldcg(reinterpret_cast<const uint4*>(src + part * 8));
+  }
+
+  // With RoPE here: the raw newest rows (load_newest) normed and rotated (K only) in place,
+  // then stored to the cache at `slot` unless it is a padding row's (< 0). The whole warp
+  // calls this (shuffles).
+  __device__ __forceinline__ void cache_newest(uint4& row, int head, int lane,
+                                               const KeyRope& rope, int64_t slot) const {
+    rope.apply<T>(row, p.rope, p.k_norm != nullptr, p.norm_eps, lane);
+    if (slot < 0) return;
     const int64_t stride = lane < 16 ? p.k_stride_block : p.v_stride_block;
-    const char* cache = static_cast<const char*>(lane < 16 ? p.k_cache : p.v_cache);
-    const int offset = slot * L::kSlotBytes + head * kRowBytes + (lane % 16) * 16;
-    const uint4 row = __ldcg(reinterpret_cast<const uint4*>(cache + id * stride * sizeof(T) +
-                                                           offset));
+    char* cache = static_cast<char*>(const_cast<void*>(lane < 16 ? p.k_cache : p.v_cache));
+    *reinterpret_cast<uint4*>(cache + (slot / p.block_size) * stride * sizeof(T) +
+                              (slot % p.block_size) * L::kSlotBytes + head * kRowBytes +
+                              (lane % 16) * 16) = row;
+  }
+
+  // The newest key's row slice (load_newest) into block i's buffer, once its copies landed.
+  __device__ __forceinline__ void put_newest(int i, int head, int lane, const uint4& row) const {
+    const int slot = seq_len - 1 - block(i) * p.block_size;
     char* dst = lane < 16 ? k_slots(i) + slot * k_pitch : v_slots(i) + slot * v_pitch;
     *reinterpret_cast<uint4*>(dst + head * kRowBytes + (lane % 16) * 16) = row;
     __syncwarp();
@@ -256,11 +307,10 @@ __global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const P
   __syncthreads();
 
   if (producer) {
-    for (int i = 0; i < prefill; ++i)
-      run.issue(i, __shfl_sync(0xffffffffu, id, i), lane, /*skip_newest=*/true);
+    for (int i = 0; i < prefill; ++i) run.issue(i, __shfl_sync(0xffffffffu, id, i), lane);
     stamp(trace, 1);
     if (prefill == run.n) return;
-    wait_for_previous_kernel();  // refills copy the newest key's slot too
+    wait_for_previous_kernel();
     int next_id = __ldg(table + run.block(p.stages));
     for (int i = p.stages; i < run.n; ++i) {
       const int this_id = next_id;
@@ -268,20 +318,40 @@ __global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const P
       barrier_wait(&empty[i % p.stages], (i / p.stages - 1) & 1);
       // The attending warps' shared-memory reads (generic proxy) before the TMA's writes.
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      run.issue(i, this_id, lane, /*skip_newest=*/false);
+      run.issue(i, this_id, lane);
     }
     return;
   }
 
-  // The newest key's block, when it is among the first `prefill`: its id, before the wait.
-  const int newest = run.newest_in_prefill(prefill);
+  // Before the wait, from the step's inputs (written before its first kernel) and constants:
+  // the newest key's block (when this CTA's run holds it), its slot, and the RoPE factors.
+  const int newest = run.newest_index();
   const int newest_id = newest >= 0 ? __ldg(table + run.block(newest)) : 0;
+  QueryRope q_rope;
+  KeyRope k_rope;
+  int64_t new_slot = -1;
+  if (p.rope != kRopeNone) {
+    const int64_t position = __ldg(p.positions + seq);
+    const float* cos_row = p.cos + position * p.rope_stride;
+    const float* sin_row = p.sin + position * p.rope_stride;
+    q_rope.load<T>(cos_row, sin_row, static_cast<const T*>(p.q_norm), p.rope, c);
+    if (newest >= 0) {
+      k_rope.load<T>(cos_row, sin_row, static_cast<const T*>(p.k_norm), p.rope, lane);
+      new_slot = __ldg(p.slot_mapping + seq);
+    }
+  }
   wait_for_previous_kernel();  // q and this step's newest key come from earlier kernels
   stamp(trace, 2);
-  if (newest >= 0) run.load_newest(newest, newest_id, head, lane);
+  // Both loads go out before either is used.
   uint4 q[4];
   load_q<T, G>(static_cast<const T*>(p.q) + seq * p.q_stride_tok + head * G * p.q_stride_head,
                p.q_stride_head, g, c, q);
+  uint4 newest_row = make_uint4(0, 0, 0, 0);
+  if (newest >= 0) newest_row = run.load_newest(newest, newest_id, seq, head, lane);
+  if (p.rope != kRopeNone) {
+    q_rope.apply<T>(q, p.rope, p.q_norm != nullptr, p.norm_eps);
+    if (newest >= 0) run.cache_newest(newest_row, head, lane, k_rope, new_slot);
+  }
   const float q_scale = p.scale * kLog2e;
 
   float m = -INFINITY, l = 0.f, acc[8][4];
@@ -289,6 +359,7 @@ __global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const P
   for (int t = 0; t < 8; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
   for (int i = 0; i < run.n; ++i) {
     barrier_wait(&full[i % p.stages], (i / p.stages) & 1);
+    if (i == newest) run.put_newest(i, head, lane, newest_row);
     if (i + 1 == run.n) stamp(trace, 3);
     const char* k = run.k_slots(i) + head * kRowBytes;
     const char* v = run.v_slots(i) + head * kRowBytes;
