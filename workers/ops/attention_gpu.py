@@ -172,8 +172,9 @@ def _new_keys_in_block_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               layer: Attention, meta: AttentionMetadata, rope: tuple,
                               fused_norm: tuple | None) -> NewKeys | None:
     """The step's new keys for the whole-block kernel to norm, rotate and cache itself, or
-    None where that kernel does not run this batch or cannot take them (partial rotary, a
-    QK norm the modules already applied is fine: fused_norm is then None)."""
+    None where that kernel does not run this batch or cannot take them (new_keys_reason:
+    partial rotary, for one). fused_norm is None without a QK norm or when the norm modules
+    have already run."""
     if not ROPE_IN_BLOCK_DECODE or not use_block_decode(q, layer.k_cache, layer.v_cache):
         return None
     rotary = rope[0]

@@ -8,6 +8,10 @@ slots and heads contiguous within a block (the engine's [num_blocks, block_size,
 heads per KV head, block_size a multiple of 16, bf16/fp16, an NVIDIA sm_90+ GPU and nvcc
 (cuda_build.py). `block_decode_supported` says why not otherwise, and the caller keeps
 paged_decode.py.
+
+Given the step's raw new keys (NewKeys), the split pass also applies the step's QK norm and
+RoPE to q and the new K and writes the new K / V rows to the cache (cuda/decode_rope.cuh),
+so no RoPE + KV-write launch runs before it; `new_keys_reason` says where it cannot.
 """
 from __future__ import annotations
 
@@ -231,7 +235,6 @@ def block_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status != 0:
         raise RuntimeError(f"block decode attention launch failed: status {status}")
     return out
-
 
 
 def _new_key_fields(new: NewKeys | None) -> tuple:
