@@ -11,8 +11,9 @@ programmatic dependent launch a kernel starts while the one before it still runs
 duration overstates what it costs the step. The `chain` column is what it does cost: its end
 minus the latest end of the kernels before it (0 if it ends earlier), so a replay's chain
 values add up to the replay's span. A step's input copies run before its graph, outside it:
-the host's time between them and the graph's first kernel lands in that kernel's chain. Printed: per kernel name, launches per step, mean duration
-and chain per launch and chain per step; then `--window` kernels of a replay in the middle,
+the host's time between them and the graph's first kernel lands in that kernel's chain.
+Printed: per kernel name, launches per step, mean duration and chain per launch and chain per
+step; then `--window` kernels of a replay in the middle,
 from kernel `--first` on, in launch order (start relative to the replay's first kernel).
 """
 from __future__ import annotations

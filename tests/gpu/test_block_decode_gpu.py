@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
 
 from tandem.workers.ops.attention import paged_attention_torch  # noqa: E402
 from tandem.workers.ops.gpu.block_decode import (  # noqa: E402
-    block_decode_attention, block_decode_supported, block_splits_for)
+    NewKeys, block_decode_attention, block_decode_supported, block_splits_for, new_keys_reason)
 from tandem.workers.ops.gpu.kv_write import write_kv_cache  # noqa: E402
 from tests.helpers.gpu_paged import (  # noqa: E402
-    DEV, paged_case, rel, replay_rope_write_then_attend)
+    DEV, paged_case, paged_metadata, rel, replay_rope_write_then_attend)
 
 _probe = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=DEV)
 _kv = torch.empty(1, 16, 8, 128, dtype=torch.bfloat16, device=DEV)
@@ -174,7 +174,6 @@ def test_new_keys_normed_rotated_and_cached_in_the_launch(neox, norm, dtype, hea
     RoPE + KV write, then this kernel) and the torch reference do. Few stages put the newest
     block among the refills; sequences end on block boundaries and just past them."""
     from tandem.workers.ops.backend import KernelBackend
-    from tandem.workers.ops.gpu.block_decode import NewKeys, new_keys_reason
     from tandem.workers.ops.gpu.rope import rope_and_write_kv
     from tandem.workers.ops.rotary import RotaryEmbedding
     lens = [1, 16, 17, 64, 700, 2049, 1]
@@ -236,14 +235,12 @@ def test_new_keys_normed_rotated_and_cached_in_the_launch(neox, norm, dtype, hea
 
 def _first_rows(meta, rows):
     """The metadata of a decode step's first `rows` sequences."""
-    from tests.helpers.gpu_paged import paged_metadata
     tables = [t.tolist() for t in meta.block_tables[:rows]]
     return paged_metadata(meta.slot_mapping[:rows].tolist(), list(range(rows + 1)),
                           meta.seq_lens_host[:rows], tables, 1)
 
 
 def test_new_keys_refused_where_the_launch_cannot_take_them():
-    from tandem.workers.ops.gpu.block_decode import NewKeys, new_keys_reason
     q = torch.zeros(2, 16, 128, dtype=torch.bfloat16, device=DEV)
     k = torch.zeros(2, 4, 128, dtype=torch.bfloat16, device=DEV)
     pos = torch.zeros(2, dtype=torch.int64, device=DEV)

@@ -23,6 +23,7 @@ import torch
 
 from tandem.workers.ops.gpu.cuda_build import build_library
 from tandem.workers.ops.gpu.pdl import pdl_enabled
+from tandem.workers.ops.gpu.rope import QKNorm, fuses_qk_norm
 
 HEAD_DIM = 128
 GROUPS = (1, 2, 4, 8)   # query heads per KV head, as instantiated in the .cu
@@ -73,7 +74,7 @@ class NewKeys:
     cos: torch.Tensor
     sin: torch.Tensor
     is_neox_style: bool
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    qk_norm: QKNorm | None = None
 
 
 def new_keys_reason(q: torch.Tensor, new: NewKeys) -> str | None:
@@ -92,11 +93,9 @@ def new_keys_reason(q: torch.Tensor, new: NewKeys) -> str | None:
                 or x.stride(2) != 1 or x.stride(0) % 8 or x.stride(1) % 8 \
                 or x.data_ptr() % 16:
             return "needs new K / V rows in q's dtype, 16-byte aligned, head_dim contiguous"
-    if new.qk_norm is not None:
-        q_weight, k_weight, _ = new.qk_norm
-        if any(w.shape != (HEAD_DIM,) or w.dtype != q.dtype or w.stride(0) != 1
-               for w in (q_weight, k_weight)):
-            return "needs contiguous [128] QK-norm weights in q's dtype"
+    if new.qk_norm is not None and (not fuses_qk_norm(q, HEAD_DIM // 2, new.qk_norm)
+                                    or any(w.stride(0) != 1 for w in new.qk_norm[:2])):
+        return "needs contiguous [128] QK-norm weights in q's dtype"
     if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
         return "needs 16-byte aligned q rows"
     return None
