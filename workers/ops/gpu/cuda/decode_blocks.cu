@@ -41,7 +41,10 @@
 // as in paged_decode.py: a decode step's KV write touches only each sequence's newest row,
 // which no copy reads); q, the newest rows, every refill and every store come after the wait.
 // The step's positions, slots, tables and the RoPE tables are read before it (written before
-// the step's first kernel).
+// the step's first kernel). Every CTA lets the dependent grid (this pair's combine) launch on
+// entry: the combine reads nothing before its own wait for this kernel, and its own early
+// launch lets the kernel after it (the o_proj GEMV at batch 1) start on its weights while this
+// kernel still runs, rather than only once this kernel's wait has returned.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -275,6 +278,7 @@ struct BlockRun {
 template <typename T, int G, int KV>
 __global__ void __launch_bounds__((KV + 1) * 32, 1) decode_blocks_kernel(const Params p) {
   using Run = BlockRun<T, KV>;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the combine (above)
   extern __shared__ __align__(128) char buffers[];
   __shared__ __align__(8) uint64_t full[kMaxStages];   // the buffer's copies have landed
   __shared__ __align__(8) uint64_t empty[kMaxStages];  // every attending warp has read it
