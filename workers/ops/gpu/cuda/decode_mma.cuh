@@ -50,9 +50,10 @@ __device__ __forceinline__ uint32_t pair(const uint4& x, const uint4& y, int t) 
   return __byte_perm(xw, yw, t % 2 ? 0x7632 : 0x5410);
 }
 
+// PDL: the previous kernel has completed and its writes are visible. (The split pass lets its
+// dependent launch on entry, decode_blocks.cu, so no trigger follows the wait here.)
 __device__ __forceinline__ void wait_for_previous_kernel() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // Diagnostics: the global nanosecond timer into trace[event] when tracing (trace non-null).
