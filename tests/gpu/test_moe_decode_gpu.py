@@ -54,6 +54,22 @@ def test_decode_moe_matches_torch(num_tokens, num_experts, top_k, hidden_size, s
     assert rel(fp32_sum.to(torch.bfloat16), routed) <= 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("gate_up_block_n", [16, 32, 64])
+@pytest.mark.parametrize("fp32_sum", [False, True])
+def test_gate_up_slab_widths(gate_up_block_n, num_tokens, fp32_sum):
+    """Each gate_up width default_config picks at decode's smallest batches, on an
+    intermediate size none of them divides (the last slab's columns masked)."""
+    hidden, w13, w2, logits = make_case(num_tokens, 64, 512, 200, seed=gate_up_block_n)
+    weights, ids = select_experts(logits, 8, renormalize=True)
+    ref = torch_fused_moe(hidden, w13, w2, weights, ids)
+    config = {**moe_decode.default_config(num_tokens * 8), "gate_up_block_n": gate_up_block_n}
+    out = moe_decode.decode_moe(hidden, w13, w2, topk_weights=weights, topk_ids=ids,
+                                config=config, fp32_sum=fp32_sum)
+    assert rel(out.to(torch.bfloat16), ref) <= MAX_REL
+
+
 GROUPED = dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)
 
 

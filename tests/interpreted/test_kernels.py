@@ -303,11 +303,14 @@ def test_moe_decode(num_tokens, top_k, dtype):
     routed = moe_decode.decode_moe(x, w13, w2, router_logits=logits, top_k=top_k)
     given = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids)
     assert rel(routed, want) <= TOL[dtype] and rel(given, want) <= TOL[dtype]
-    for by_pair in (True, False):  # both grids, whichever the pair count picks by default
-        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair}
+    for by_pair, width in ((True, 64), (False, 64), (True, 16)):
+        # both grids, whichever the pair count picks by default; gate_up slabs of 16 columns
+        # (two, the second masked past the 24), as default_config picks for a small batch
+        config = {**moe_decode.default_config(num_tokens * top_k), "by_pair": by_pair,
+                  "gate_up_block_n": width}
         out = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids,
                                     config=config)
-        assert rel(out, want) <= TOL[dtype], by_pair
+        assert rel(out, want) <= TOL[dtype], (by_pair, width)
     terms = moe_decode.decode_moe(x, w13, w2, topk_weights=weights, topk_ids=ids, terms=True)
     assert terms.shape == (num_tokens, top_k, 48)  # the sum over k left to the caller
     assert rel(terms.float().sum(1).to(dtype), given) <= TOL[dtype]

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.workers.ops.gpu.device_info import num_sms
 from tandem.workers.ops.gpu.pdl import pdl_enabled, wait_for_previous_kernel
 
 # Largest token count * top_k these kernels take: every expert program scans all the pairs'
@@ -61,6 +62,12 @@ ZERO_BLOCK = 1024
 # batches (default_config): 256 of Qwen3-30B-A3B's 768 measured best on an H100; more held in
 # registers slows the step (bench/RESULTS.md).
 DOWN_PRE_K = 256
+# Gate_up programs an SM gets at least, at decode's smallest batches (default_config): with
+# fewer, some SMs idle or read twice the weight rows of others (Qwen3-30B-A3B's batch 1 at 64
+# columns a program: 96 programs on an H100's 132 SMs); so the slab narrows from 64 columns
+# until the programs reach this many per SM. Far more than that queue behind a first wave
+# (its batch 2 at 16 columns: 768 programs) and slow the step (bench/RESULTS.md).
+GATE_UP_PROGRAMS_PER_SM = 1.5
 
 
 @triton.jit
@@ -296,12 +303,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def default_config(num_pairs: int) -> dict[str, int]:
+def default_config(num_pairs: int, intermediate: int | None = None,
+                   num_sms: int | None = None) -> dict[str, int]:
     """Block sizes and warps for the two expert kernels: the best of
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
-    percent of each other; 16-row blocks since decode experts see a handful of tokens each)."""
+    percent of each other; 16-row blocks since decode experts see a handful of tokens each).
+    Given the experts' intermediate size and the device's SM count, up to 16 pairs take the
+    widest gate_up slab (64, 32 or 16 columns) that gives every SM GATE_UP_PROGRAMS_PER_SM
+    programs, one per (pair, slab)."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
-    return {"block_m": 16, "gate_up_block_n": block_n, "down_block_n": block_n,
+    gate_up_block_n = block_n
+    if num_pairs <= 16 and intermediate and num_sms:
+        gate_up_block_n = next(
+            (n for n in (64, 32) if num_pairs * triton.cdiv(intermediate, n)
+             >= GATE_UP_PROGRAMS_PER_SM * num_sms), 16)
+    return {"block_m": 16, "gate_up_block_n": gate_up_block_n, "down_block_n": block_n,
             "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
             "down_pre_k": DOWN_PRE_K if num_pairs <= 16 else 0}
 
@@ -398,7 +414,8 @@ def decode_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
         topk_weights = topk_weights.float().contiguous()
     hidden = hidden.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs)
+    cfg = config or default_config(num_pairs, size,
+                                   num_sms(hidden.device) if hidden.is_cuda else None)
     block_p = triton.next_power_of_2(num_pairs)
     precision = dot_precision(hidden.dtype)
     device = hidden.device
