@@ -2,7 +2,8 @@
 
     python -m tandem.bench.engine --out results.json            # everything (about 5-8 min)
     python -m tandem.bench.engine --models qwen3-30b-a3b --no-ops --no-hf
-    python -m tandem.bench.engine --models deepseek-v3-slice --no-ops   # 74 GB of weights: H200
+    python -m tandem.bench.engine --models deepseek-v3-slice --no-ops   # 74 GB of weights: an H200,
+        # or an 80 GB H100 with --gpu-memory-utilization 0.95
 
 Order: measure copy bandwidth and the bf16 matmul rate; time the aiter-triton ops against their
 alternatives; then per model (random bf16 weights made on the GPU): decode steps at each batch
