@@ -114,8 +114,14 @@ def _route_rows(logits_ptr, stride_logits, rows, bias_ptr, scale, E, TOP_K: tl.c
     top_w = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(choice, 1)[:, None]
-        weight = tl.sum(tl.where(experts[None, :] == best, score, 0.0), 1)
+        if HAS_BIAS:  # the choice is score + bias: gather the chosen expert's score
+            best_1d = tl.argmax(choice, 1)
+            weight = tl.sum(tl.where(experts[None, :] == best_1d[:, None], score, 0.0), 1)
+        else:  # the choice is the score (-1 or -inf where never chosen), so one reduction
+            # finds the best expert and its weight together
+            weight, best_1d = tl.max(choice, 1, return_indices=True,
+                                     return_indices_tie_break_left=True)
+        best = best_1d[:, None]
         top_w = tl.where(slots == j, weight[:, None], top_w)
         top_i = tl.where(slots == j, best.to(tl.int32), top_i)
         choice = tl.where(experts[None, :] == best, float("-inf"), choice)
