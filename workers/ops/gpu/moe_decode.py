@@ -310,7 +310,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def default_config(num_pairs: int, intermediate: int | None = None,
-                   num_sms: int | None = None) -> dict[str, int]:
+                   sm_count: int | None = None) -> dict[str, int]:
     """Block sizes and warps for the two expert kernels: the best of
     `python bench/probes/moe_layer.py` at Qwen3-30B-A3B's experts on an H200 (within a few
     percent of each other; 16-row blocks since decode experts see a handful of tokens each).
@@ -319,10 +319,10 @@ def default_config(num_pairs: int, intermediate: int | None = None,
     programs, one per (pair, slab)."""
     block_n, stages = (64, 4) if num_pairs <= 16 else (32, 4) if num_pairs <= 64 else (64, 3)
     gate_up_block_n = block_n
-    if num_pairs <= 16 and intermediate and num_sms:
+    if num_pairs <= 16 and intermediate and sm_count:
         gate_up_block_n = next(
             (n for n in (64, 32) if num_pairs * triton.cdiv(intermediate, n)
-             >= GATE_UP_PROGRAMS_PER_SM * num_sms), 16)
+             >= GATE_UP_PROGRAMS_PER_SM * sm_count), 16)
     return {"block_m": 16, "gate_up_block_n": gate_up_block_n, "down_block_n": block_n,
             "block_k": 128, "down_block_k": 128, "num_warps": 4, "num_stages": stages,
             "down_pre_k": DOWN_PRE_K if num_pairs <= 16 else 0}
