@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers.gpu_paged import paged_metadata, rel
 from helpers.moe_cases import random_experts
 
+from tandem.workers.engine.packed_inputs import INPUT_HEADER, input_header
 from tandem.workers.ops.attention import AttentionMetadata, paged_attention_torch
 from tandem.workers.ops.gpu import (add_rms_norm, decode_gemv, graph_inputs, kv_write,
                                     mla_decode, moe_decode, moe_prefill, paged_decode, rope,
@@ -427,8 +428,9 @@ def test_moe_prefill_align_equals_the_torch_align(num_tokens, top_k, num_experts
 
 @pytest.mark.parametrize("batch, size, width", [(3, 4, 5), (4, 4, 9), (1, 8, 300)])
 def test_graph_inputs_copy_and_pad(batch, size, width):
-    """A batch into a graph's static buffers left dirty by a larger batch: its rows copied
-    (table entries up to the buffers' width), rows batch..size-1 padding, the rest untouched."""
+    """A packed step (its parts where the header says, in a staging buffer longer than the
+    step) into a graph's static buffers left dirty by a larger batch: its rows copied (table
+    entries up to the buffers' width), rows batch..size-1 padding, the rest untouched."""
     gen = torch.Generator().manual_seed(batch + width)
     rows, max_blocks = 10, 260
     static = (torch.randint(5, 99, (rows,), generator=gen), torch.randint(5, 99, (rows,),
@@ -436,11 +438,15 @@ def test_graph_inputs_copy_and_pad(batch, size, width):
               torch.randint(5, 99, (rows,), generator=gen, dtype=torch.int32),
               torch.randint(5, 99, (rows, max_blocks), generator=gen, dtype=torch.int32))
     want = [t.clone() for t in static]
-    ids, pos, slots = (torch.randint(0, 1000, (batch,), generator=gen) for _ in range(3))
-    lens = torch.randint(1, 1000, (batch,), generator=gen, dtype=torch.int32)
-    tables = torch.randint(0, 1000, (batch, width + 3), generator=gen, dtype=torch.int32)
-    tables = tables[:, :width]  # rows strided, as a view of a wider table
-    graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables, static, size)
+    ids, pos, slots, lens = (torch.randint(1, 1000, (batch,), generator=gen) for _ in range(4))
+    tables = torch.randint(0, 1000, (batch, width), generator=gen)
+    parts = [ids, torch.zeros(3, dtype=torch.int64), pos, slots, lens, tables.reshape(-1)]
+    starts = [INPUT_HEADER + sum(p.numel() for p in parts[:i]) for i in range(len(parts))]
+    staged = torch.full((INPUT_HEADER + sum(p.numel() for p in parts) + 50,), 7777)
+    staged[:INPUT_HEADER] = torch.tensor(input_header(batch, width, starts[0], *starts[2:]))
+    for part, at in zip(parts, starts):
+        staged[at:at + part.numel()] = part
+    graph_inputs.unpack_graph_inputs(staged, static, size)
     n = min(width, max_blocks)
     for buffer, value, pad in zip(want, (ids, pos, slots, lens), (0, 0, -1, 1)):
         buffer[:batch] = value
@@ -449,7 +455,7 @@ def test_graph_inputs_copy_and_pad(batch, size, width):
     want[4][batch:size] = 0
     for got, expected in zip(static, want):
         assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="does not fit"):
-        graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables, static, batch - 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        graph_inputs.copy_graph_inputs(ids, pos, slots, lens, tables.t(), static, size)
+    with pytest.raises(ValueError, match="rows of buffers of 10"):
+        graph_inputs.unpack_graph_inputs(staged, static, rows + 1)
+    with pytest.raises(ValueError, match="contiguous int64 staging buffer"):
+        graph_inputs.unpack_graph_inputs(staged.int(), static, size)

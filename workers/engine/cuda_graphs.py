@@ -9,8 +9,9 @@ batch runs on the smallest graph that holds it, its extra rows padded:
     table row of zeros (it reads block 0 and its output is dropped)
 
 Invariants that make replays correct:
-* every graph reads its inputs from the same static buffers, which `run` fills before replay
-  in one launch (ops/gpu/graph_inputs.py);
+* every graph reads its inputs from the same static buffers, which its first kernel fills
+  from a staging buffer (ops/gpu/graph_inputs.py); `run` copies the step's packed inputs
+  (ModelInputs.packed) there, one device-to-device copy, then replays;
 * kernels on the decode path take lengths and block tables from those device buffers, and
   their launch shapes depend only on the batch size (the graphs are captured with
   max_seq_len = max_model_len, so e.g. the split count of the decode attention fits any length);
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from tandem.common.logging import get_logger
+from tandem.workers.engine.packed_inputs import INPUT_HEADER, table_width
 from tandem.workers.ops.attention import AttentionMetadata
 
 logger = get_logger(__name__)
@@ -85,9 +87,13 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
-                        self.block_tables)  # what `run` fills, in copy_graph_inputs' order
-        from tandem.workers.ops.gpu.graph_inputs import copy_graph_inputs  # Triton: GPU only
-        self._copy_inputs = copy_graph_inputs
+                        self.block_tables)  # what the graphs fill, in unpack_graph_inputs' order
+        # A packed step of max_batch sequences: the header, five parts of max_batch (+ 1)
+        # entries, each padded to an even count, and tables of up to a padded max_blocks.
+        self.staged = torch.zeros(INPUT_HEADER + 5 * (n + 2) + n * table_width(self.max_blocks),
+                                  dtype=torch.int64, device=device)
+        from tandem.workers.ops.gpu.graph_inputs import unpack_graph_inputs  # Triton: GPU only
+        self._unpack_inputs = unpack_graph_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0  # decode steps served by a graph (tests, bench)
         self.logits: dict[int, torch.Tensor] = {}
@@ -102,6 +108,7 @@ class DecodeGraphs:
             query_start_loc_host=list(range(batch + 1)), seq_lens_host=[1] * batch)
 
     def _forward(self, batch: int) -> torch.Tensor:
+        self._unpack_inputs(self.staged, self._static, batch)
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))
         return self.model.compute_logits(hidden)
 
@@ -116,19 +123,21 @@ class DecodeGraphs:
         release_each(self.graphs, self.logits)
         self.max_batch = 0
 
-    def can_run(self, num_seqs: int, max_query_len: int, num_blocks: int) -> bool:
-        return max_query_len == 1 and num_seqs <= self.max_batch and num_blocks <= self.max_blocks
+    def can_run(self, num_seqs: int, max_query_len: int, num_blocks: int,
+                packed_size: int) -> bool:
+        """Whether a step of num_seqs sequences, reading num_blocks blocks at most, with a
+        packed input buffer of packed_size entries (ModelInputs.packed) replays a graph."""
+        return (max_query_len == 1 and num_seqs <= self.max_batch
+                and num_blocks <= self.max_blocks and packed_size <= self.staged.numel())
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [B, V] of a decode batch (one new token per sequence)."""
-        batch = input_ids.shape[0]
+    def run(self, packed: torch.Tensor, batch: int) -> torch.Tensor:
+        """Logits [B, V] of a decode batch of B sequences (one new token each) whose inputs
+        are `packed` (ModelInputs.packed)."""
         size = next(s for s in self.sizes if s >= batch)
-        # One launch for the copies and the padding rows (rows a previous, larger batch left
-        # behind become padding again); the table's padded width may pass max_blocks, and
-        # its columns past max_blocks are padding.
-        self._copy_inputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
-                          meta.block_tables, self._static, size)
+        # The graph's first kernel copies the rows and pads the rest (rows a previous, larger
+        # batch left behind become padding again); the table's padded width may pass
+        # max_blocks, and its columns past max_blocks are padding.
+        self.staged[:packed.numel()].copy_(packed)
         self.graphs[size].replay()
         self.num_replays += 1
         return self.logits[size][:batch]

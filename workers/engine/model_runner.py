@@ -18,6 +18,7 @@ from torch import nn
 from tandem.common.logging import get_logger
 from tandem.workers.engine.cuda_graphs import DecodeGraphs
 from tandem.workers.engine.host_to_device import as_device_tensor
+from tandem.workers.engine.packed_inputs import INPUT_HEADER, input_header, table_width
 from tandem.workers.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from tandem.workers.engine.scheduler import SchedulerOutput
 from tandem.workers.ops.attention import AttentionMetadata
@@ -32,18 +33,11 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64: the last new token of every sampled sequence
-
-
-# Block tables are padded (block id 0, never read: seq_lens bound every kernel's reads) to a
-# multiple of this width. Triton specializes integer arguments on divisibility by 16, so an
-# unpadded table's row stride would compile every attention kernel twice (a table of 16k
-# blocks and one of any other width), the second time while serving.
-TABLE_WIDTH_MULTIPLE = 16
-
-
-def table_width(max_blocks: int) -> int:
-    """The padded block-table width of a step whose longest table has max_blocks blocks."""
-    return -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+    # The int64 device buffer that input_ids, positions and slot_mapping are views of, with
+    # the step's lengths and block table, after a header (packed_inputs.py): what a decode
+    # CUDA graph copies its inputs from (ops/gpu/graph_inputs.py). None: built otherwise,
+    # and run eagerly.
+    packed: torch.Tensor | None = None
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -158,16 +152,17 @@ class ModelRunner:
         width = table_width(max(table_lens))
 
         # One buffer for every part (host_to_device.py: one copy that does not wait for the
-        # device, so a step's inputs can be built while the previous step runs). Each part
-        # starts 16-byte aligned, as a tensor of its own would: Triton specializes kernels on
-        # pointer alignment.
+        # device, so a step's inputs can be built while the previous step runs), after the
+        # header that says where they are (input_header). Each part starts 16-byte aligned,
+        # as a tensor of its own would: Triton specializes kernels on pointer alignment.
         sizes = [total, total, total, num_seqs + 1, num_seqs, num_seqs * width,
                  len(logits_indices)]
         padded = [size + size % 2 for size in sizes]
-        host = np.zeros(sum(padded), np.int64)
+        offsets = list(itertools.accumulate(padded, initial=INPUT_HEADER))
+        host = np.zeros(offsets[-1], np.int64)
+        host[:INPUT_HEADER] = input_header(num_seqs, width, *offsets[:3], *offsets[4:6])
         ids, pos, slot_mapping, starts_at, lens, flat_tables, logits_at = (
-            host[offset:offset + size]
-            for offset, size in zip(itertools.accumulate(padded, initial=0), sizes))
+            host[offset:offset + size] for offset, size in zip(offsets, sizes))
         ids[:] = np.fromiter(itertools.chain.from_iterable(
             item.seq.token_ids[start:end] for item, start, end in zip(items, starts, seq_lens)),
             np.int64, total)
@@ -186,7 +181,7 @@ class ModelRunner:
 
         values = as_device_tensor(host, torch.int64, self.device)
         (ids, pos, slot_mapping, starts, lens, flat_tables, logits_at) = \
-            (chunk[:size] for chunk, size in zip(values.split(padded), sizes))
+            (values[offset:offset + size] for offset, size in zip(offsets, sizes))
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=starts.to(torch.int32),
@@ -197,7 +192,7 @@ class ModelRunner:
             query_start_loc_host=query_start_loc,
             seq_lens_host=seq_lens,
         )
-        return ModelInputs(ids, pos, meta, logits_at)
+        return ModelInputs(ids, pos, meta, logits_at, values)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput) -> torch.Tensor:
@@ -208,11 +203,13 @@ class ModelRunner:
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [N, V] (fp32) for prepared inputs (every TP rank runs the same inputs)."""
         meta = inputs.meta
-        if self.graphs is not None and inputs.logits_indices.numel() == meta.num_seqs \
+        if self.graphs is not None and inputs.packed is not None \
+                and inputs.logits_indices.numel() == meta.num_seqs \
                 and self.graphs.can_run(meta.num_seqs, meta.max_query_len,
-                                        -(-meta.max_seq_len // self.block_size)):
+                                        -(-meta.max_seq_len // self.block_size),
+                                        inputs.packed.numel()):
             # One token per sequence, every one sampled: logits_indices is 0..B-1.
-            return self.graphs.run(inputs.input_ids, inputs.positions, meta).float()
+            return self.graphs.run(inputs.packed, meta.num_seqs).float()
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(
                 meta, inputs.input_ids.shape[0], inputs.logits_indices.numel()):
             return self.prefill_graphs.run(inputs.input_ids, inputs.positions, meta,

@@ -19,8 +19,8 @@ each, inside the first requests' TTFT. So CONTINUATIONS builds those steps on pu
 tokens and a target prompt of c + q tokens go in together; the scheduler fills the budget with
 the filler and the target's first c tokens, and the next step continues the target's q tokens
 over c cached keys, with the extra prompts (fresh) joining it. The block-table width, the other
-integer the kernels specialize on, is rounded up by ModelRunner (TABLE_WIDTH_MULTIPLE), so it
-needs no rounds of its own.
+integer the kernels specialize on, is rounded up by ModelRunner
+(packed_inputs.TABLE_WIDTH_MULTIPLE), so it needs no rounds of its own.
 
 Every request stays within the engine's limits (max_model_len, max_num_batched_tokens,
 max_num_seqs, free KV blocks: a round that cannot fit is cut or skipped) and generates two

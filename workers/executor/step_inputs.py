@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem.workers.engine.model_runner import ModelInputs
+from tandem.workers.engine.packed_inputs import INPUT_HEADER, input_header
 from tandem.workers.ops.attention import AttentionMetadata
 from tandem.workers.parallel.messages import (Command, make_header, pack_bytes,
                                               step_inputs_length, unpack_bytes)
@@ -48,14 +49,19 @@ def unpack_kv_ops(header: torch.Tensor, payload: torch.Tensor) -> bytes:
 def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
                   device: torch.device) -> ModelInputs:
     """The inverse of `pack_inputs`, with tensors on `device` in the dtypes the runner uses
-    (one host-to-device copy of the whole payload; the parts are views of it)."""
+    (one host-to-device copy of the whole payload after its packed_inputs header; the parts
+    are views of it, as the leader's are)."""
     num_tokens, num_seqs, max_blocks, num_logits, max_query_len, max_seq_len = \
         header[1:7].tolist()
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
              num_seqs * max_blocks, num_logits]
     payload = payload[:sum(sizes)]  # the KV rank ops, if any, follow
+    starts = [INPUT_HEADER + sum(sizes[:part]) for part in range(len(sizes))]
+    header = torch.tensor(input_header(num_seqs, max_blocks, *starts[:3], *starts[4:6]),
+                          dtype=torch.int64)
+    packed = torch.cat([header, payload]).to(device)
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-     logits_indices) = payload.to(device).split(sizes)
+     logits_indices) = packed[INPUT_HEADER:].split(sizes)
     host_query_start_loc, host_seq_lens = payload.split(sizes)[3:5]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -65,4 +71,4 @@ def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
         max_query_len=max_query_len, max_seq_len=max_seq_len,
         query_start_loc_host=host_query_start_loc.tolist(),
         seq_lens_host=host_seq_lens.tolist())
-    return ModelInputs(input_ids, positions, meta, logits_indices)
+    return ModelInputs(input_ids, positions, meta, logits_indices, packed)

@@ -9,7 +9,7 @@ from helpers.checkpoints import random_prompts
 
 from tandem import LLM, SamplingParams
 from tandem.common.metrics import WorkerMetrics
-from tandem.workers.engine.model_runner import TABLE_WIDTH_MULTIPLE
+from tandem.workers.engine.packed_inputs import TABLE_WIDTH_MULTIPLE
 from tandem.workers.engine.warm_up import CHUNKED_EXTRA, CONTINUATIONS, warm_up
 from tandem.workers.metrics_recorder import WorkerMetricsRecorder
 
