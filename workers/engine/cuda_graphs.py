@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tandem.common.logging import get_logger
-from tandem.workers.engine.packed_inputs import INPUT_HEADER, table_width
+from tandem.workers.engine.packed_inputs import max_packed_size
 from tandem.workers.ops.attention import AttentionMetadata
 
 logger = get_logger(__name__)
@@ -88,10 +88,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._static = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                         self.block_tables)  # what the graphs fill, in unpack_graph_inputs' order
-        # A packed step of max_batch sequences: the header, five parts of max_batch (+ 1)
-        # entries, each padded to an even count, and tables of up to a padded max_blocks.
-        self.staged = torch.zeros(INPUT_HEADER + 5 * (n + 2) + n * table_width(self.max_blocks),
-                                  dtype=torch.int64, device=device)
+        # The largest packed step a graph runs: max_batch sequences whose tables may hold a
+        # block past max_blocks (allocated ahead of the sequence's next token).
+        self.staged = torch.zeros(max_packed_size(n, self.max_blocks + 1), dtype=torch.int64,
+                                  device=device)
         from tandem.workers.ops.gpu.graph_inputs import unpack_graph_inputs  # Triton: GPU only
         self._unpack_inputs = unpack_graph_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -26,6 +26,14 @@ def table_width(max_blocks: int) -> int:
     return -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
 
 
+def max_packed_size(num_seqs: int, table_blocks: int) -> int:
+    """The most int64 entries a packed decode step of num_seqs sequences (a token each) takes
+    when its longest block table has table_blocks blocks: the header, six parts of num_seqs
+    entries (the sequence starts num_seqs + 1), each padded to an even count
+    (ModelRunner.prepare_inputs), so 6 (num_seqs + 1) at most, and the padded tables."""
+    return INPUT_HEADER + 6 * (num_seqs + 1) + num_seqs * table_width(table_blocks)
+
+
 def input_header(num_seqs: int, width: int, ids_at: int, positions_at: int, slots_at: int,
                  lens_at: int, tables_at: int) -> list[int]:
     """The INPUT_HEADER entries at the start of a packed step."""

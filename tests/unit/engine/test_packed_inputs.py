@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.workers.engine.packed_inputs import INPUT_HEADER, TABLE_WIDTH_MULTIPLE
+from tandem.workers.engine.packed_inputs import (INPUT_HEADER, TABLE_WIDTH_MULTIPLE,
+                                                 max_packed_size)
 from tandem.workers.executor.step_inputs import pack_inputs, unpack_inputs
 
 
@@ -48,6 +49,10 @@ def test_the_header_names_every_part_for_leader_and_follower(engine, decode):
         assert int(packed[0]) == len(batch.scheduled) == 3
         assert int(packed[1]) % TABLE_WIDTH_MULTIPLE == 0
         assert all(int(at) % 2 == 0 for at in packed[2:7])  # 16-byte aligned parts
+        if decode:  # within what a decode graph's staging buffer holds for this batch
+            longest = max(len(item.seq.block_table) for item in batch.scheduled)
+            assert packed.numel() <= max_packed_size(3, longest)
+            assert max_packed_size(3, longest) == packed.numel()  # tight for an odd batch
         follower = unpack_inputs(*pack_inputs(inputs), torch.device("cpu"))
         for source in (packed, follower.packed):
             got, want = header_parts(source), expected_parts(inputs)
