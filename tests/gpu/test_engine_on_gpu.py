@@ -38,9 +38,14 @@ def test_aiter_triton_fp32_greedy_equals_transformers_with_graphs(checkpoint):
     ckpt = checkpoint("qwen3")
     prompts = random_prompts(PARITY_LENGTHS, seed=33)
     llm = LLM(ckpt.path, dtype="float32", device="cuda", kernels="aiter-triton", max_num_seqs=8)
-    assert llm.engine.runner.graphs is not None
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    replays = graphs.num_replays
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == ckpt.greedy(prompt, 32)
+    # Eight prompts fill the largest graph: its staging buffer holds their packed inputs, so
+    # every decode step (31 of a 32-token generation) replays.
+    assert len(prompts) == 8 and graphs.num_replays - replays >= 31
     for prompt in prompts[:3]:  # batch 1 alone (padding rows never leak into real ones)
         assert llm.generate([prompt], GREEDY)[0].token_ids == ckpt.greedy(prompt, 32)
 
