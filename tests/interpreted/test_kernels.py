@@ -440,10 +440,11 @@ def test_graph_inputs_copy_and_pad(batch, size, width):
     want = [t.clone() for t in static]
     ids, pos, slots, lens = (torch.randint(1, 1000, (batch,), generator=gen) for _ in range(4))
     tables = torch.randint(0, 1000, (batch, width), generator=gen)
-    parts = [ids, torch.zeros(3, dtype=torch.int64), pos, slots, lens, tables.reshape(-1)]
+    unread = torch.zeros(3, dtype=torch.int64)  # the query starts and logits indices
+    parts = [ids, pos, slots, unread, lens, tables.reshape(-1), unread]
     starts = [INPUT_HEADER + sum(p.numel() for p in parts[:i]) for i in range(len(parts))]
     staged = torch.full((INPUT_HEADER + sum(p.numel() for p in parts) + 50,), 7777)
-    staged[:INPUT_HEADER] = torch.tensor(input_header(batch, width, starts[0], *starts[2:]))
+    staged[:INPUT_HEADER] = torch.tensor(input_header(batch, width, starts))
     for part, at in zip(parts, starts):
         staged[at:at + part.numel()] = part
     graph_inputs.unpack_graph_inputs(staged, static, size)

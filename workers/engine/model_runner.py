@@ -160,7 +160,7 @@ class ModelRunner:
         padded = [size + size % 2 for size in sizes]
         offsets = list(itertools.accumulate(padded, initial=INPUT_HEADER))
         host = np.zeros(offsets[-1], np.int64)
-        host[:INPUT_HEADER] = input_header(num_seqs, width, *offsets[:3], *offsets[4:6])
+        host[:INPUT_HEADER] = input_header(num_seqs, width, offsets[:-1])
         ids, pos, slot_mapping, starts_at, lens, flat_tables, logits_at = (
             host[offset:offset + size] for offset, size in zip(offsets, sizes))
         ids[:] = np.fromiter(itertools.chain.from_iterable(

@@ -34,7 +34,10 @@ def max_packed_size(num_seqs: int, table_blocks: int) -> int:
     return INPUT_HEADER + 6 * (num_seqs + 1) + num_seqs * table_width(table_blocks)
 
 
-def input_header(num_seqs: int, width: int, ids_at: int, positions_at: int, slots_at: int,
-                 lens_at: int, tables_at: int) -> list[int]:
-    """The INPUT_HEADER entries at the start of a packed step."""
+def input_header(num_seqs: int, width: int, part_starts: list[int]) -> list[int]:
+    """The INPUT_HEADER entries at the start of a packed step whose seven parts (ids,
+    positions, slots, query starts, lengths, tables, logits indices; the order both packers
+    use) start at part_starts; the decode graphs read all but the query starts and logits
+    indices."""
+    ids_at, positions_at, slots_at, _, lens_at, tables_at, _ = part_starts
     return [num_seqs, width, ids_at, positions_at, slots_at, lens_at, tables_at, 0]

@@ -57,8 +57,7 @@ def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
              num_seqs * max_blocks, num_logits]
     payload = payload[:sum(sizes)]  # the KV rank ops, if any, follow
     starts = [INPUT_HEADER + sum(sizes[:part]) for part in range(len(sizes))]
-    header = torch.tensor(input_header(num_seqs, max_blocks, *starts[:3], *starts[4:6]),
-                          dtype=torch.int64)
+    header = torch.tensor(input_header(num_seqs, max_blocks, starts), dtype=torch.int64)
     packed = torch.cat([header, payload]).to(device)
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
      logits_indices) = packed[INPUT_HEADER:].split(sizes)
