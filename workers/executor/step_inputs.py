@@ -3,6 +3,8 @@ on the host (parallel/messages.py frames them; its docstring gives the payload's
 followed by the step's KV rank ops, if any (opaque bytes: kv/rank_ops.py)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tandem.workers.engine.model_runner import ModelInputs
@@ -56,9 +58,9 @@ def unpack_inputs(header: torch.Tensor, payload: torch.Tensor,
     sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs,
              num_seqs * max_blocks, num_logits]
     payload = payload[:sum(sizes)]  # the KV rank ops, if any, follow
-    starts = [INPUT_HEADER + sum(sizes[:part]) for part in range(len(sizes))]
-    header = torch.tensor(input_header(num_seqs, max_blocks, starts), dtype=torch.int64)
-    packed = torch.cat([header, payload]).to(device)
+    starts = list(itertools.accumulate(sizes[:-1], initial=INPUT_HEADER))
+    layout = torch.tensor(input_header(num_seqs, max_blocks, starts), dtype=torch.int64)
+    packed = torch.cat([layout, payload]).to(device)
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
      logits_indices) = packed[INPUT_HEADER:].split(sizes)
     host_query_start_loc, host_seq_lens = payload.split(sizes)[3:5]
